@@ -1,0 +1,362 @@
+# cython: language_level=3
+"""fp32 kernels of the colibri engine.
+
+Every kernel is a ``cdef ... noexcept nogil`` loop over caller-provided buffers
+(nothing is allocated here) with a thin ``def`` wrapper that the engine and the
+parity tests call. Shapes are checked once in the wrapper; the loops run with
+bounds checks off (``COLI_CYTHON_DEBUG=1`` at build time turns them back on).
+Each kernel has a NumPy twin in ``coli/_engine/reference.py``.
+
+Threading: ``set_num_threads`` fixes the OpenMP team used by every ``prange``.
+Work is split so that each output element is written by one thread and summed
+in a fixed order: results do not depend on the thread count.
+"""
+cimport openmp
+from cython.parallel cimport parallel, prange
+from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy, memset
+
+cdef extern from "simd.h" nogil:
+    const char *coli_simd_name()
+    float coli_dot(const float *a, const float *b, int K)
+    void coli_scale_add(float *y, float a, const float *x, float b, int n)
+    void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
+                      float *Y, long ldy)
+    float coli_silu(float x)
+    float coli_gelu_tanh(float x)
+
+cdef enum:
+    ROW_BLOCK = 16      # weight rows per parallel work item
+    ACT_SILU = 0
+    ACT_GELU_TANH = 1
+
+cdef int _nthreads = 1
+
+
+def set_num_threads(int n):
+    """Use ``n`` OpenMP threads in every kernel from now on."""
+    global _nthreads
+    _nthreads = n if n > 0 else 1
+    openmp.omp_set_num_threads(_nthreads)
+
+
+def get_num_threads():
+    return _nthreads
+
+
+def simd_name():
+    """The SIMD path this build was compiled for: avx512, avx2 or scalar."""
+    return coli_simd_name().decode()
+
+
+cdef inline float _act(float x, int act) noexcept nogil:
+    if act == ACT_GELU_TANH:
+        return coli_gelu_tanh(x)
+    return coli_silu(x)
+
+
+# ---------------------------------------------------------------- linear layers
+
+cdef void _linear(const float *X, long ldx, int M, const float *W, int N, int K,
+                  float *Y, long ldy, const float *bias) noexcept nogil:
+    cdef int nblocks = (N + ROW_BLOCK - 1) // ROW_BLOCK
+    cdef int b, n0, nb, m, n
+    for b in prange(nblocks, num_threads=_nthreads, schedule='static'):
+        n0 = b * ROW_BLOCK
+        nb = N - n0 if N - n0 < ROW_BLOCK else ROW_BLOCK
+        coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
+        if bias != NULL:
+            for m in range(M):
+                for n in range(nb):
+                    Y[m * ldy + n0 + n] += bias[n0 + n]
+
+
+def linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out, const float[::1] bias=None):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N])."""
+    cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0]
+    if w.shape[1] != K or out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"linear: shapes x({M}, {K}) w({N}, {w.shape[1]}) out({out.shape[0]}, {out.shape[1]})")
+    if bias is not None and bias.shape[0] != N:
+        raise ValueError("linear: bias length != out features")
+    if M == 0 or N == 0:
+        return
+    cdef const float *bp = &bias[0] if bias is not None else NULL
+    with nogil:
+        _linear(&x[0, 0], K, M, &w[0, 0], N, K, &out[0, 0], N, bp)
+
+
+# ---------------------------------------------------------------- norms, activations
+
+def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] out, bint unit_offset=False):
+    """out = x / sqrt(mean(x**2) + eps) * (w or 1 + w), row by row; out may be x."""
+    cdef int M = x.shape[0], H = x.shape[1], m, i
+    cdef double ss
+    cdef float r, g
+    if w.shape[0] != H or out.shape[0] != M or out.shape[1] != H:
+        raise ValueError("rmsnorm: shape mismatch")
+    cdef float off = 1.0 if unit_offset else 0.0
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        ss = 0
+        for i in range(H):
+            ss = ss + <double>x[m, i] * x[m, i]
+        r = <float>(1.0 / sqrt(ss / H + eps))
+        for i in range(H):
+            g = w[i] + off
+            out[m, i] = (x[m, i] * r) * g
+
+
+def gated_act(const float[:, ::1] g, const float[:, ::1] u, float[:, ::1] out, int act=ACT_SILU):
+    """out = act(g) * u elementwise (act: 0 silu, 1 gelu_tanh); out may alias g."""
+    cdef int M = g.shape[0], N = g.shape[1], m, i
+    if u.shape[0] != M or u.shape[1] != N or out.shape[0] != M or out.shape[1] != N:
+        raise ValueError("gated_act: shape mismatch")
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        for i in range(N):
+            out[m, i] = _act(g[m, i], act) * u[m, i]
+
+
+def embed(const int32_t[::1] ids, const float[:, ::1] table, float[:, ::1] out, float scale=1.0):
+    """out[m] = table[ids[m]] * scale; ids must already be checked against the vocabulary."""
+    cdef int M = ids.shape[0], H = table.shape[1], m, i
+    if out.shape[0] != M or out.shape[1] != H:
+        raise ValueError("embed: shape mismatch")
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        memcpy(&out[m, 0], &table[ids[m], 0], H * sizeof(float))
+        if scale != 1.0:
+            for i in range(H):
+                out[m, i] = out[m, i] * scale
+
+
+# ---------------------------------------------------------------- attention
+
+def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[::1] pos,
+         const float[::1] inv_freq, float scaling=1.0):
+    """Rotate the first rot_dim dims of every head of x (M, n_heads*head_dim) in place,
+    GPT-NeoX style (rotate_half): pairs (i, i + rot_dim/2)."""
+    cdef int M = x.shape[0], half = rot_dim // 2, m, h, i
+    cdef float ang, c, s, x1, x2
+    cdef long base
+    if x.shape[1] != n_heads * head_dim or inv_freq.shape[0] < half or pos.shape[0] != M:
+        raise ValueError("rope: shape mismatch")
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        for i in range(half):
+            ang = <float>pos[m] * inv_freq[i]          # float32 product, as transformers computes it
+            c = <float>cos(ang) * scaling
+            s = <float>sin(ang) * scaling
+            for h in range(n_heads):
+                base = h * head_dim
+                x1 = x[m, base + i]
+                x2 = x[m, base + i + half]
+                x[m, base + i] = x1 * c - x2 * s
+                x[m, base + i + half] = x2 * c + x1 * s
+
+
+def kv_write(const float[:, ::1] k, const float[:, ::1] v, const int64_t[::1] kptr,
+             const int64_t[::1] vptr, const int32_t[::1] pos):
+    """Copy row m of k / v into its sequence's cache at position pos[m].
+
+    kptr[m] / vptr[m] are the addresses of that sequence's (capacity, width) float32
+    cache of the current layer; the caller guarantees pos[m] < capacity."""
+    cdef int M = k.shape[0], kw = k.shape[1], vw = v.shape[1], m
+    if v.shape[0] != M or kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
+        raise ValueError("kv_write: shape mismatch")
+    with nogil:
+        for m in range(M):
+            memcpy(<float *>kptr[m] + <long>pos[m] * kw, &k[m, 0], kw * sizeof(float))
+            memcpy(<float *>vptr[m] + <long>pos[m] * vw, &v[m, 0], vw * sizeof(float))
+
+
+def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1] vptr,
+              const int32_t[::1] pos, float[:, ::1] out, int n_heads, int n_kv_heads,
+              int head_dim, int v_head_dim, float scale, int window=0, float softcap=0.0):
+    """Causal attention of each query row over its own sequence's cache.
+
+    q: (M, n_heads*head_dim); the cache behind kptr[m] is (capacity, n_kv_heads, head_dim),
+    behind vptr[m] (capacity, n_kv_heads, v_head_dim); row m attends positions
+    [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when window <= 0).
+    One pass with an online softmax: no score buffer, nothing allocated."""
+    cdef int M = q.shape[0], group, idx, m, h, g, j, start
+    cdef const float *K
+    cdef const float *V
+    cdef const float *qv
+    cdef float *o
+    cdef float s, mx, l, corr, p
+    if n_kv_heads <= 0 or n_heads % n_kv_heads != 0:
+        raise ValueError("attention: n_heads must be a multiple of n_kv_heads")
+    if q.shape[1] != n_heads * head_dim or out.shape[0] != M or out.shape[1] != n_heads * v_head_dim:
+        raise ValueError("attention: shape mismatch")
+    if kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
+        raise ValueError("attention: shape mismatch")
+    group = n_heads // n_kv_heads
+    for idx in prange(M * n_heads, nogil=True, num_threads=_nthreads, schedule='static'):
+        m = idx // n_heads
+        h = idx - m * n_heads
+        g = h // group
+        K = <const float *>kptr[m]
+        V = <const float *>vptr[m]
+        qv = &q[m, h * head_dim]
+        o = &out[m, h * v_head_dim]
+        memset(o, 0, v_head_dim * sizeof(float))
+        mx = -INFINITY
+        l = 0
+        start = 0
+        if window > 0 and pos[m] - window + 1 > 0:
+            start = pos[m] - window + 1
+        for j in range(start, pos[m] + 1):
+            s = coli_dot(qv, K + (<long>j * n_kv_heads + g) * head_dim, head_dim) * scale
+            if softcap > 0:
+                s = softcap * tanhf(s / softcap)
+            if s > mx:
+                corr = <float>exp(mx - s)
+                coli_scale_add(o, corr, V + (<long>j * n_kv_heads + g) * v_head_dim, 1.0, v_head_dim)
+                l = l * corr + 1
+                mx = s
+            else:
+                p = <float>exp(s - mx)
+                coli_scale_add(o, 1.0, V + (<long>j * n_kv_heads + g) * v_head_dim, p, v_head_dim)
+                l = l + p
+        coli_scale_add(o, 1.0 / l, o, 0.0, v_head_dim)
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def moe_route_softmax(const float[:, ::1] logits, int k, bint renormalize, int32_t[:, ::1] idx,
+                      float[:, ::1] weights):
+    """softmax over experts, then top-k (ties: lowest index first), optionally renormalised."""
+    cdef int M = logits.shape[0], E = logits.shape[1], m, j, e, best
+    cdef double mx, total, sel
+    cdef float bv
+    if k > E or idx.shape[0] != M or idx.shape[1] != k or weights.shape[0] != M or weights.shape[1] != k:
+        raise ValueError("moe_route_softmax: shape mismatch")
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        mx = logits[m, 0]
+        for e in range(1, E):
+            if logits[m, e] > mx:
+                mx = logits[m, e]
+        total = 0
+        for e in range(E):
+            total = total + exp(logits[m, e] - mx)
+        sel = 0
+        for j in range(k):
+            best = -1
+            bv = -INFINITY
+            for e in range(E):
+                if (best < 0 or logits[m, e] > bv) and not _taken(&idx[m, 0], j, e):
+                    best = e
+                    bv = logits[m, e]
+            idx[m, j] = best
+            weights[m, j] = <float>(exp(bv - mx) / total)
+            sel = sel + weights[m, j]
+        if renormalize:
+            for j in range(k):
+                weights[m, j] = <float>(weights[m, j] / sel)
+
+
+cdef inline bint _taken(const int32_t *chosen, int n, int e) noexcept nogil:
+    cdef int i
+    for i in range(n):
+        if chosen[i] == e:
+            return True
+    return False
+
+
+def moe_scratch_ints(int M, int k, int E, int inter, int hidden):
+    """Length of the int32 scratch moe_experts needs for M tokens."""
+    cdef long pairs = <long>M * k
+    cdef long active = pairs if pairs < E else E
+    cdef long items = active * ((inter + ROW_BLOCK - 1) // ROW_BLOCK + (hidden + ROW_BLOCK - 1) // ROW_BLOCK)
+    return 3 * E + 1 + 2 * pairs + 2 * items
+
+
+def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:, ::1] weights,
+                const int64_t[::1] gate_ptrs, const int64_t[::1] up_ptrs, const int64_t[::1] down_ptrs,
+                int inter, float[:, ::1] out, float[:, ::1] xg, float[:, ::1] gbuf, float[:, ::1] ubuf,
+                float[:, ::1] ybuf, int32_t[::1] iscratch, int64_t[::1] counts, int act=ACT_SILU):
+    """out[m] += sum_j weights[m, j] * expert_{idx[m, j]}(x[m]) for a gated MLP expert
+    down(act(gate(x)) * up(x)).
+
+    Expert e's weights live at gate_ptrs[e] / up_ptrs[e] (inter, hidden) and
+    down_ptrs[e] (hidden, inter), wherever they are (mapped file, cache slot).
+    Tokens are grouped by expert so each expert's weights are read once for all of
+    its tokens; the (expert, row block) work items of all experts are spread over
+    the threads together. counts[e] is increased by the tokens routed to e.
+    Scratch: xg, ybuf (M*k, hidden); gbuf, ubuf (M*k, inter); iscratch
+    (moe_scratch_ints)."""
+    cdef int M = x.shape[0], H = x.shape[1], k = idx.shape[1], E = gate_ptrs.shape[0]
+    cdef int pairs = M * k
+    if M == 0:
+        return
+    if weights.shape[0] != M or weights.shape[1] != k or out.shape[0] != M or out.shape[1] != H:
+        raise ValueError("moe_experts: shape mismatch")
+    if up_ptrs.shape[0] != E or down_ptrs.shape[0] != E or counts.shape[0] != E:
+        raise ValueError("moe_experts: expert tables disagree")
+    if (xg.shape[0] < pairs or xg.shape[1] != H or ybuf.shape[0] < pairs or ybuf.shape[1] != H
+            or gbuf.shape[0] < pairs or gbuf.shape[1] != inter or ubuf.shape[0] < pairs
+            or ubuf.shape[1] != inter or iscratch.shape[0] < moe_scratch_ints(M, k, E, inter, H)):
+        raise ValueError("moe_experts: scratch too small")
+    cdef int *cnt = <int *>&iscratch[0]             # (E,) tokens per expert
+    cdef int *offs = cnt + E                 # (E+1,) first row of each expert in xg
+    cdef int *fill = offs + E + 1            # (E,)
+    cdef int *slot = fill + E                # (M*k,) row of (m, j) in xg
+    cdef int *it1 = slot + pairs             # work items, phase 1 then phase 2
+    cdef int m, j, e, b, r, c, p, it, n0, nb, ne, off, n1 = 0, n2 = 0
+    cdef float w
+    cdef const float *G
+    cdef const float *U
+    cdef const float *D
+    with nogil:
+        memset(cnt, 0, E * sizeof(int))
+        for m in range(M):
+            for j in range(k):
+                cnt[idx[m, j]] += 1
+        offs[0] = 0
+        for e in range(E):
+            offs[e + 1] = offs[e] + cnt[e]
+            fill[e] = offs[e]
+            counts[e] += cnt[e]
+        for m in range(M):
+            for j in range(k):
+                e = idx[m, j]
+                slot[m * k + j] = fill[e]
+                memcpy(&xg[fill[e], 0], &x[m, 0], H * sizeof(float))
+                fill[e] += 1
+        for e in range(E):
+            if cnt[e] > 0:
+                for b in range((inter + ROW_BLOCK - 1) // ROW_BLOCK):
+                    it1[n1] = e * 65536 + b
+                    n1 = n1 + 1
+        for e in range(E):
+            if cnt[e] > 0:
+                for b in range((H + ROW_BLOCK - 1) // ROW_BLOCK):
+                    it1[n1 + n2] = e * 65536 + b
+                    n2 = n2 + 1
+    with nogil, parallel(num_threads=_nthreads):
+        for it in prange(n1, schedule='dynamic'):
+            e = it1[it] // 65536
+            n0 = (it1[it] % 65536) * ROW_BLOCK
+            nb = inter - n0 if inter - n0 < ROW_BLOCK else ROW_BLOCK
+            ne = cnt[e]
+            off = offs[e]
+            G = <const float *>gate_ptrs[e]
+            U = <const float *>up_ptrs[e]
+            coli_gemm_nt(&xg[off, 0], H, ne, G + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter)
+            coli_gemm_nt(&xg[off, 0], H, ne, U + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter)
+            for r in range(ne):
+                for c in range(nb):
+                    gbuf[off + r, n0 + c] = _act(gbuf[off + r, n0 + c], act) * ubuf[off + r, n0 + c]
+        for it in prange(n2, schedule='dynamic'):
+            e = it1[n1 + it] // 65536
+            n0 = (it1[n1 + it] % 65536) * ROW_BLOCK
+            nb = H - n0 if H - n0 < ROW_BLOCK else ROW_BLOCK
+            ne = cnt[e]
+            off = offs[e]
+            D = <const float *>down_ptrs[e]
+            coli_gemm_nt(&gbuf[off, 0], inter, ne, D + <long>n0 * inter, inter, nb, inter,
+                         &ybuf[off, n0], H)
+        for m in prange(M, schedule='static'):
+            for j in range(k):
+                p = slot[m * k + j]
+                w = weights[m, j]
+                for c in range(H):
+                    out[m, c] += w * ybuf[p, c]

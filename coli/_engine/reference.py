@@ -1,0 +1,91 @@
+"""NumPy twins of the kernels in kernels.pyx: slow, obvious, and the parity oracle.
+
+Each function computes what its namesake computes, from the same inputs, but
+returns a new array instead of writing into a caller's buffer.
+"""
+import numpy as np
+
+
+def linear(x, w, bias=None):
+    y = x.astype(np.float64) @ w.astype(np.float64).T  # (M, N)
+    if bias is not None:
+        y += bias
+    return y.astype(np.float32)
+
+
+def rmsnorm(x, w, eps, unit_offset=False):
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)  # (M, 1)
+    return (x64 * r * (w + (1.0 if unit_offset else 0.0))).astype(np.float32)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+ACTS = {0: silu, 1: gelu_tanh}
+
+
+def gated_act(g, u, act=0):
+    return (ACTS[act](g.astype(np.float64)) * u).astype(np.float32)
+
+
+def embed(ids, table, scale=1.0):
+    return (table[ids] * scale).astype(np.float32)
+
+
+def rope(x, n_heads, head_dim, rot_dim, pos, inv_freq, scaling=1.0):
+    half = rot_dim // 2
+    ang = pos[:, None].astype(np.float32) * inv_freq[None, :half]  # (M, half)
+    c = (np.cos(ang.astype(np.float64)) * scaling)[:, None, :]  # (M, 1, half)
+    s = (np.sin(ang.astype(np.float64)) * scaling)[:, None, :]
+    y = x.reshape(len(x), n_heads, head_dim).astype(np.float64).copy()  # (M, nh, hd)
+    x1, x2 = y[..., :half].copy(), y[..., half:rot_dim].copy()
+    y[..., :half] = x1 * c - x2 * s
+    y[..., half:rot_dim] = x2 * c + x1 * s
+    return y.reshape(x.shape).astype(np.float32)
+
+
+def attention(q, ks, vs, pos, n_heads, n_kv_heads, head_dim, v_head_dim, scale, window=0, softcap=0.0):
+    """ks[m] / vs[m]: the (capacity, n_kv_heads, dim) caches row m reads."""
+    M = len(q)
+    group = n_heads // n_kv_heads
+    out = np.zeros((M, n_heads, v_head_dim))
+    qh = q.reshape(M, n_heads, head_dim).astype(np.float64)
+    for m in range(M):
+        start = max(0, pos[m] - window + 1) if window > 0 else 0
+        k = ks[m][start : pos[m] + 1].astype(np.float64)  # (T, nkv, hd)
+        v = vs[m][start : pos[m] + 1].astype(np.float64)
+        for h in range(n_heads):
+            s = k[:, h // group] @ qh[m, h] * scale  # (T,)
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            out[m, h] = (p / p.sum()) @ v[:, h // group]
+    return out.reshape(M, n_heads * v_head_dim).astype(np.float32)
+
+
+def moe_route_softmax(logits, k, renormalize):
+    l64 = logits.astype(np.float64)
+    p = np.exp(l64 - l64.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)  # (M, E)
+    idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # (M, k)
+    w = np.take_along_axis(p, idx, axis=-1)
+    if renormalize:
+        w /= w.sum(axis=-1, keepdims=True)
+    return idx.astype(np.int32), w.astype(np.float32)
+
+
+def moe_experts(x, idx, weights, gate, up, down, act=0):
+    """gate/up: (E, inter, hidden), down: (E, hidden, inter)."""
+    out = np.zeros(x.shape, dtype=np.float64)
+    for m in range(len(x)):
+        for j in range(idx.shape[1]):
+            e = idx[m, j]
+            h = ACTS[act](gate[e].astype(np.float64) @ x[m]) * (up[e] @ x[m])
+            out[m] += weights[m, j] * (down[e].astype(np.float64) @ h)
+    return out.astype(np.float32)

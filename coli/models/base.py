@@ -1,0 +1,281 @@
+"""The shared decoder every architecture file wires up.
+
+A model is ``x = embed(ids); for each layer: x += attn(norm(x)); x += mlp(norm(x));
+logits = lm_head(norm(x))``. What differs between families (q/k norms, biases,
+which layers are MoE, how the checkpoint names tensors) is decided once, at load
+time, by the architecture file; ``forward`` never branches on a checkpoint's dtype
+or family. Every array operation runs in a kernel of ``coli._engine.kernels``; the
+only Python loop in a step is over layers.
+
+Buffers come from ``RunState`` (allocated once, grown in steps), and KV from the
+caller's per-sequence caches (see ``coli.engine``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coli._engine import kernels as K
+from coli.config import ModelConfig
+from coli.errors import ModelLoadError
+from coli.weights.safetensors import Checkpoint
+
+ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+class RunState:
+    """Every activation buffer of a step, keyed by name, sized for ``rows`` rows.
+
+    ``get(name, rows, width)`` returns a C-contiguous (rows, width) float32 view of
+    a buffer that is reallocated only when a step needs more rows than ever before
+    (capacity doubles), so steady-state decoding allocates nothing."""
+
+    def __init__(self):
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, rows: int, width: int, dtype=np.float32) -> np.ndarray:
+        buf = self._bufs.get(name)
+        need = rows * width
+        if buf is None or buf.size < need or buf.dtype != dtype:
+            cap = max(need, 2 * (buf.size if buf is not None and buf.dtype == dtype else 0), 64)
+            buf = np.empty(cap, dtype=dtype)
+            self._bufs[name] = buf
+        return buf[:need].reshape(rows, width)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+
+@dataclass
+class Batch:
+    """The flat token batch of one step: row m is token ids[m] at position pos[m]
+    of its sequence; kptr[l, m] / vptr[l, m] address that sequence's layer-l cache."""
+
+    ids: np.ndarray  # (M,) int32
+    pos: np.ndarray  # (M,) int32
+    kptr: np.ndarray  # (L, M) int64
+    vptr: np.ndarray  # (L, M) int64
+
+
+class Weights:
+    """Typed access to a checkpoint's tensors with the shape config.json implies."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        return self.ckpt.f32(name, shape)
+
+    def opt(self, name: str, *shape: int) -> np.ndarray | None:
+        return self.ckpt.f32(name, shape) if name in self.ckpt else None
+
+    def has(self, name: str) -> bool:
+        return name in self.ckpt
+
+
+class Attention:
+    """Multi-head attention with GQA, optional q/k RMSNorm (per head or over the whole
+    projection), optional biases, optional clipping, RoPE on the first rot_dim dims."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: str | None, clip_qkv: float | None = None):
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = w(f"{prefix}.q_proj.weight", nh * hd, H)  # (nh*hd, H)
+        self.k_proj = w(f"{prefix}.k_proj.weight", nkv * hd, H)  # (nkv*hd, H)
+        self.v_proj = w(f"{prefix}.v_proj.weight", nkv * hd, H)
+        self.o_proj = w(f"{prefix}.o_proj.weight", H, nh * hd)  # (H, nh*hd)
+        self.q_bias = w(f"{prefix}.q_proj.bias", nh * hd) if qkv_bias else None
+        self.k_bias = w(f"{prefix}.k_proj.bias", nkv * hd) if qkv_bias else None
+        self.v_bias = w(f"{prefix}.v_proj.bias", nkv * hd) if qkv_bias else None
+        self.o_bias = w(f"{prefix}.o_proj.bias", H) if o_bias else None
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = w(f"{prefix}.q_norm.weight", hd), w(f"{prefix}.k_norm.weight", hd)
+        elif qk_norm == "full":
+            self.q_norm = w(f"{prefix}.q_norm.weight", nh * hd)
+            self.k_norm = w(f"{prefix}.k_norm.weight", nkv * hd)
+        self.eps = cfg.rms_norm_eps
+        self.clip = clip_qkv
+        self.rot_dim = int(hd * cfg.partial_rotary_factor)
+        self.inv_freq, self.rope_scaling = cfg.rope.inv_freq(self.rot_dim, cfg.max_position_embeddings)
+        self.scale = hd ** -0.5
+
+    def __call__(self, x: np.ndarray, batch: Batch, layer: int, rs: RunState, out: np.ndarray) -> None:
+        M = len(x)
+        q = rs.get("q", M, self.nh * self.hd)  # (M, nh*hd)
+        k = rs.get("k", M, self.nkv * self.hd)  # (M, nkv*hd)
+        v = rs.get("v", M, self.nkv * self.hd)
+        K.linear(x, self.q_proj, q, self.q_bias)
+        K.linear(x, self.k_proj, k, self.k_bias)
+        K.linear(x, self.v_proj, v, self.v_bias)
+        if self.qk_norm == "head":
+            K.rmsnorm(q.reshape(M * self.nh, self.hd), self.q_norm, self.eps, q.reshape(M * self.nh, self.hd))
+            K.rmsnorm(k.reshape(M * self.nkv, self.hd), self.k_norm, self.eps, k.reshape(M * self.nkv, self.hd))
+        elif self.qk_norm == "full":
+            K.rmsnorm(q, self.q_norm, self.eps, q)
+            K.rmsnorm(k, self.k_norm, self.eps, k)
+        if self.clip is not None:
+            for t in (q, k, v):
+                np.clip(t, -self.clip, self.clip, out=t)
+        K.rope(q, self.nh, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
+        K.rope(k, self.nkv, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
+        K.kv_write(k, v, batch.kptr[layer], batch.vptr[layer], batch.pos)
+        a = rs.get("attn", M, self.nh * self.hd)  # (M, nh*hd)
+        K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
+                    self.hd, self.scale)
+        K.linear(a, self.o_proj, out, self.o_bias)
+
+
+class GatedMLP:
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, w: Weights, prefix: str, hidden: int, inter: int, act: int,
+                 names=("gate_proj", "up_proj", "down_proj")):
+        g, u, d = names
+        self.gate = w(f"{prefix}.{g}.weight", inter, hidden)  # (I, H)
+        self.up = w(f"{prefix}.{u}.weight", inter, hidden)  # (I, H)
+        self.down = w(f"{prefix}.{d}.weight", hidden, inter)  # (H, I)
+        self.inter, self.act = inter, act
+
+    def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
+        M = len(x)
+        g = rs.get("mlp_g", M, self.inter)  # (M, I)
+        u = rs.get("mlp_u", M, self.inter)
+        K.linear(x, self.gate, g)
+        K.linear(x, self.up, u)
+        K.gated_act(g, u, g, self.act)
+        K.linear(g, self.down, out)
+
+
+class MoE:
+    """Softmax-routed top-k mixture of gated-MLP experts.
+
+    Expert weights are addressed through pointer tables (one entry per expert), so
+    the same kernel serves experts mapped from the checkpoint, stacked in one
+    tensor, or (later) held in a cache of slots."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, router: str, experts: str,
+                 names=("gate_proj", "up_proj", "down_proj"), renormalize: bool, act: int):
+        H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.E, self.k, self.inter, self.H, self.act = E, cfg.num_experts_per_tok, I, H, act
+        self.renormalize = renormalize
+        self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H)
+        g, u, d = names
+        self._keep: list[np.ndarray] = []  # the arrays behind the pointer tables
+        if w.has(f"{prefix}.{experts}.gate_up_proj"):  # transformers 5 fused layout
+            gu = w(f"{prefix}.{experts}.gate_up_proj", E, 2 * I, H)  # (E, 2I, H)
+            dn = w(f"{prefix}.{experts}.down_proj", E, H, I)  # (E, H, I)
+            self._keep += [gu, dn]
+            base, step = gu.ctypes.data, 2 * I * H * 4
+            self.gate_ptrs = np.array([base + e * step for e in range(E)], dtype=np.int64)
+            self.up_ptrs = self.gate_ptrs + I * H * 4
+            self.down_ptrs = np.array([dn.ctypes.data + e * H * I * 4 for e in range(E)], dtype=np.int64)
+        else:
+            tabs = {g: [], u: [], d: []}
+            for e in range(E):
+                for n, shape in ((g, (I, H)), (u, (I, H)), (d, (H, I))):
+                    t = w(f"{prefix}.{experts}.{e}.{n}.weight", *shape)
+                    self._keep.append(t)
+                    tabs[n].append(t.ctypes.data)
+            self.gate_ptrs, self.up_ptrs, self.down_ptrs = (np.array(tabs[n], dtype=np.int64) for n in (g, u, d))
+        self.counts = np.zeros(E, dtype=np.int64)  # tokens routed to each expert so far (heat)
+        self.last = np.zeros(0, dtype=np.int32)  # experts routed in the latest step
+
+    def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
+        M, k = len(x), self.k
+        logits = rs.get("router", M, self.E)  # (M, E)
+        K.linear(x, self.router, logits)
+        idx = rs.get("moe_idx", M, k, np.int32)  # (M, k)
+        wts = rs.get("moe_w", M, k)  # (M, k)
+        K.moe_route_softmax(logits, k, self.renormalize, idx, wts)
+        out[:] = 0
+        n = M * k
+        K.moe_experts(x, idx, wts, self.gate_ptrs, self.up_ptrs, self.down_ptrs, self.inter, out,
+                      rs.get("moe_xg", n, self.H), rs.get("moe_g", n, self.inter), rs.get("moe_u", n, self.inter),
+                      rs.get("moe_y", n, self.H),
+                      rs.get("moe_i", 1, K.moe_scratch_ints(M, k, self.E, self.inter, self.H), np.int32)[0],
+                      self.counts, self.act)
+        self.last = idx
+
+
+@dataclass
+class Layer:
+    input_norm: np.ndarray  # (H,)
+    attn: Attention
+    post_norm: np.ndarray  # (H,)
+    mlp: GatedMLP | MoE
+
+
+class DecoderLM:
+    """Embedding, pre-norm decoder layers, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, layers: list[Layer], *, prefix: str = "model"):
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.cfg = cfg
+        self.embed = w(f"{prefix}.embed_tokens.weight", V, H)  # (V, H)
+        self.norm = w(f"{prefix}.norm.weight", H)
+        if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w("lm_head.weight", V, H)  # (V, H)
+        self.layers = layers
+        self.eps = cfg.rms_norm_eps
+        self.embed_scale = 1.0
+        self.unit_offset_norm = False
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [l.mlp for l in self.layers if isinstance(l.mlp, MoE)]
+
+    def forward(self, batch: Batch, rs: RunState, logit_rows: np.ndarray) -> np.ndarray:
+        """Run one step; return the (len(logit_rows), vocab) logits of those rows."""
+        M, H = len(batch.ids), self.cfg.hidden_size
+        x = rs.get("x", M, H)  # (M, H) residual stream
+        h = rs.get("h", M, H)  # (M, H) normed input of a block
+        o = rs.get("o", M, H)  # (M, H) block output
+        K.embed(batch.ids, self.embed, x, self.embed_scale)
+        for i, layer in enumerate(self.layers):
+            K.rmsnorm(x, layer.input_norm, self.eps, h, self.unit_offset_norm)
+            layer.attn(h, batch, i, rs, o)
+            x += o
+            K.rmsnorm(x, layer.post_norm, self.eps, h, self.unit_offset_norm)
+            layer.mlp(h, rs, o)
+            x += o
+        R = len(logit_rows)
+        hr = rs.get("h_last", R, H)  # (R, H)
+        np.take(x, logit_rows, axis=0, out=hr)
+        K.rmsnorm(hr, self.norm, self.eps, hr, self.unit_offset_norm)
+        logits = rs.get("logits", R, self.cfg.vocab_size)  # (R, V), valid until the next step
+        K.linear(hr, self.lm_head, logits)
+        return logits
+
+
+def decoder_layers(cfg: ModelConfig, w: Weights, make_mlp, *, prefix: str = "model.layers",
+                   **attn_options) -> list[Layer]:
+    """The standard pre-norm layer stack; ``make_mlp(i, prefix)`` builds layer i's MLP."""
+    H = cfg.hidden_size
+    return [
+        Layer(
+            input_norm=w(f"{prefix}.{i}.input_layernorm.weight", H),
+            attn=Attention(cfg, w, f"{prefix}.{i}.self_attn", **attn_options),
+            post_norm=w(f"{prefix}.{i}.post_attention_layernorm.weight", H),
+            mlp=make_mlp(i, f"{prefix}.{i}"),
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+
+
+def check_experts(cfg: ModelConfig) -> None:
+    if cfg.num_experts <= 0 or not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ModelLoadError(
+            f"config.json: a {cfg.model_type} model needs num_experts > 0 and "
+            f"0 < num_experts_per_tok <= num_experts (got {cfg.num_experts}, {cfg.num_experts_per_tok})"
+        )
+
+
+def act_of(cfg: ModelConfig) -> int:
+    if cfg.hidden_act not in ACTS:
+        raise ModelLoadError(f"config.json: hidden_act {cfg.hidden_act!r} is not supported (supported: {', '.join(ACTS)})")
+    return ACTS[cfg.hidden_act]

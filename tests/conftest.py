@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny seeded checkpoints written by transformers, never downloaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int, eos: int | None = None) -> None:
+    """A word-level tokenizer over 'w0'..'w{n}' so any id sequence round-trips."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(model_dir / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0"}
+    if eos is not None:
+        cfg["eos_token"] = f"w{eos}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-6)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+
+# name -> (model_type, config overrides); one line per architecture or variant.
+ARCHS = {
+    "llama": ("llama", dict(attention_bias=True)),
+    "llama-rope-llama3": ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=50000.0, factor=8.0,
+                                                             low_freq_factor=1.0, high_freq_factor=4.0,
+                                                             original_max_position_embeddings=32))),
+    "llama-rope-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "qwen2": ("qwen2", dict()),
+    "qwen2-rope-yarn": ("qwen2", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                           original_max_position_embeddings=64))),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("olmoe", dict(num_experts=6, num_experts_per_tok=3, clip_qkv=8.0, intermediate_size=48)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, **MOE, norm_topk_prob=True, num_hidden_layers=3,
+                                    mlp_only_layers=[1], head_dim=16)),
+    "qwen3_moe-sparse-step": ("qwen3_moe", dict(num_experts=4, **MOE, decoder_sparse_step=2)),
+}
+
+
+def make_hf_model(model_type: str, out: Path, seed: int = 0, dtype=None, max_shard_size=None, **overrides):
+    """Build a seeded random transformers model, save it (and a tokenizer) to ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**BASE, **overrides}
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg.eos_token_id = None
+    cfg.bos_token_id = None
+    cfg.pad_token_id = None
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # default init is small: widen it so logits have structure worth comparing
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)
+    if dtype is not None:
+        model = model.to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    write_tokenizer(out, cfg.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Lazily built {name: directory} of the ARCHS checkpoints."""
+    root = tmp_path_factory.mktemp("hf")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            mt, ov = ARCHS[name]
+            make_hf_model(mt, root / name, **ov)
+            built[name] = root / name
+        return built[name]
+
+    return get
+
+
+def prompt_ids(n: int = 16, vocab: int = 160, seed: int = 1) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=n)]
