@@ -97,13 +97,16 @@ class Model:
     def generate(self, prompt_or_messages, *, max_tokens: int = 256, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, min_p: float = 0.0,
                  seed: int | None = None, stop: str | Sequence[str] | None = None, raw: bool = False,
-                 **template_kwargs) -> Iterator[str]:
+                 cache: KVCache | None = None, **template_kwargs) -> Iterator[str]:
         """Stream the answer as text pieces.
 
         ``prompt_or_messages``: chat messages, or a string (a user message, or a raw
         prompt with ``raw=True``). Sampling defaults come from the model's
         generation_config.json (greedy when it does not sample). Generation ends at
-        an end-of-turn token, a stop string (not included), or max_tokens."""
+        an end-of-turn token, a stop string (not included), or max_tokens.
+
+        ``cache`` (from ``model.engine.new_cache()``) keeps a context across calls:
+        the part of the new prompt it already holds is not computed again."""
         d = self.generation_defaults
         params = SamplingParams(
             temperature=d.get("temperature", 0.0) if temperature is None else temperature,
@@ -114,17 +117,21 @@ class Model:
         if max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1 (got {max_tokens})")
         ids = self.prompt_ids(prompt_or_messages, raw=raw, **template_kwargs)
-        return self._stream(ids, max_tokens, Sampler(params), StopMatcher(stop))
+        return self._stream(ids, max_tokens, Sampler(params), StopMatcher(stop), cache)
 
-    def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: StopMatcher) -> Iterator[str]:
+    def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: StopMatcher,
+                cache: KVCache | None) -> Iterator[str]:
         room = self.engine.max_context - len(ids)
         if room <= 0:
             raise InvalidRequestError(
                 f"context_length_exceeded: the prompt has {len(ids)} tokens, the context holds {self.engine.max_context}")
         max_tokens = min(max_tokens, room)
-        cache: KVCache = self.engine.new_cache(len(ids) + max_tokens)
+        if cache is None:
+            cache = self.engine.new_cache(len(ids) + max_tokens)
+        reuse = min(common_prefix(cache.tokens, ids), len(ids) - 1)  # recompute >= 1 token for its logits
+        cache.truncate(reuse)
         detok = IncrementalDetokenizer(self.tokenizer)
-        for i in range(0, len(ids), PREFILL_CHUNK):
+        for i in range(reuse, len(ids), PREFILL_CHUNK):
             logits = self.engine.step([(cache, ids[i : i + PREFILL_CHUNK])])
         generated: list[int] = []
         while True:
@@ -144,6 +151,15 @@ class Model:
         tail = text + stops.flush()
         if tail:
             yield tail
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 def _generation_defaults(path: Path) -> dict:

@@ -1,0 +1,3 @@
+from coli.cli.main import main
+
+main()

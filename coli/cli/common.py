@@ -1,0 +1,75 @@
+"""Pieces every command shares: option definitions, exit codes, model loading, errors."""
+from __future__ import annotations
+
+import functools
+import sys
+from enum import IntEnum
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from coli.errors import ColiError
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1  # something failed while running (not the user's input)
+    USAGE = 2  # bad input: a wrong path, a corrupt file, a malformed prompt or option
+    INTERRUPTED = 130
+
+
+stderr = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", envvar="COLI_MODEL", show_envvar=True,
+    help="Model directory (Hugging Face format). Default: $COLI_MODEL, else the built-in model.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", envvar="COLI_THREADS", show_envvar=True, min=1,
+    help="Compute threads. Default: the usable cores.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")]
+TemperatureOpt = Annotated[Optional[float], typer.Option(
+    "--temperature", min=0.0, help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0.")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample from the k likeliest tokens (0: off).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed that makes sampled output reproducible.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+
+
+def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
+    """Print one error line on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    return typer.Exit(int(code))
+
+
+def user_errors(fn):
+    """Turn ColiError into one stderr line and exit 2, Ctrl-C into exit 130: never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ColiError as e:
+            raise fail(str(e)) from None
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+        except BrokenPipeError:  # `coli run ... | head`: the reader left, nothing is wrong
+            raise typer.Exit(int(ExitCode.OK)) from None
+
+    return wrapper
+
+
+def load_model(model: str | None, threads: int | None):
+    """Load with a spinner on stderr when it is a terminal."""
+    import coli
+
+    if stderr.is_terminal:
+        with stderr.status("Loading model…", spinner="dots"):
+            return coli.load(model, threads=threads)
+    return coli.load(model, threads=threads)
+
+
+def messages_for(prompt: str, system: str | None) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": prompt}]

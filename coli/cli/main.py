@@ -1,0 +1,39 @@
+"""The `coli` command: one Typer app; each command lives in its own module."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+import coli
+from coli.cli.chat import chat
+from coli.cli.run import run
+
+app = typer.Typer(
+    name="coli",
+    help="colibri: run Mixture-of-Experts and dense transformer models on your own CPU.",
+    no_args_is_help=True,
+    add_completion=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+app.command()(run)
+app.command()(chat)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"coli {coli.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """colibri: run Mixture-of-Experts and dense transformer models on your own CPU."""
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,136 @@
+"""Every kernel against its NumPy twin (coli/_engine/reference.py), over odd sizes
+that exercise the SIMD tails and the register-tile edges."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli._engine import kernels as K
+from coli._engine import reference as R
+
+RNG = np.random.default_rng(1234)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"], autouse=True)
+def threads(request):
+    K.set_num_threads(request.param)
+    yield request.param
+    K.set_num_threads(2)
+
+
+def test_simd_path_is_known():
+    assert K.simd_name() in ("avx512", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("M,N,K_", [(1, 1, 1), (1, 7, 33), (3, 17, 15), (5, 31, 47), (9, 64, 128), (4, 4, 16),
+                                    (13, 129, 257)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(M, N, K_, bias):
+    x, w = rand(M, K_), rand(N, K_)
+    b = rand(N) if bias else None
+    out = np.empty((M, N), np.float32)
+    K.linear(x, w, out, b)
+    np.testing.assert_allclose(out, R.linear(x, w, b), **TOL)
+
+
+def test_linear_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        K.linear(rand(2, 3), rand(4, 5), np.empty((2, 4), np.float32))
+
+
+@pytest.mark.parametrize("M,H", [(1, 1), (3, 17), (7, 64), (2, 1001)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rmsnorm(M, H, unit_offset):
+    x, w = rand(M, H), rand(H)
+    out = np.empty_like(x)
+    K.rmsnorm(x, w, 1e-6, out, unit_offset)
+    np.testing.assert_allclose(out, R.rmsnorm(x, w, 1e-6, unit_offset), **TOL)
+    K.rmsnorm(x, w, 1e-6, x, unit_offset)  # in place
+    np.testing.assert_allclose(x, out, **TOL)
+
+
+@pytest.mark.parametrize("act", [0, 1])
+def test_gated_act(act):
+    g, u = rand(5, 37, scale=3), rand(5, 37)
+    out = np.empty_like(g)
+    K.gated_act(g, u, out, act)
+    np.testing.assert_allclose(out, R.gated_act(g, u, act), **TOL)
+
+
+def test_embed():
+    table, ids = rand(50, 19), np.array([3, 0, 49, 3], np.int32)
+    out = np.empty((4, 19), np.float32)
+    K.embed(ids, table, out, 1.5)
+    np.testing.assert_allclose(out, R.embed(ids, table, 1.5), **TOL)
+
+
+@pytest.mark.parametrize("nh,hd,rot", [(3, 8, 8), (2, 34, 34), (4, 16, 8)])
+def test_rope(nh, hd, rot):
+    M = 6
+    x = rand(M, nh * hd)
+    pos = np.array([0, 1, 5, 77, 1000, 4095], np.int32)
+    inv = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
+    ref = R.rope(x, nh, hd, rot, pos, inv, 0.9)
+    K.rope(x, nh, hd, rot, pos, inv, 0.9)
+    np.testing.assert_allclose(x, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd", [(4, 2, 8, 8), (3, 3, 17, 17), (6, 1, 33, 20)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 5.0)])
+def test_attention_and_kv_write(nh, nkv, hd, vd, window, softcap):
+    """Rows from two sequences of different lengths, each attending its own cache."""
+    caps = [9, 14]
+    kc = [np.zeros((c, nkv * hd), np.float32) for c in caps]  # (cap, nkv*hd) per sequence
+    vc = [np.zeros((c, nkv * vd), np.float32) for c in caps]
+    seq = np.array([0, 0, 1, 1, 1], np.int64)
+    pos = np.array([7, 8, 0, 5, 13], np.int32)
+    for c in range(2):  # fill the history the new rows attend to
+        kc[c][:] = rand(caps[c], nkv * hd)
+        vc[c][:] = rand(caps[c], nkv * vd)
+    kptr = np.array([kc[s].ctypes.data for s in seq], np.int64)
+    vptr = np.array([vc[s].ctypes.data for s in seq], np.int64)
+    k_new, v_new = rand(5, nkv * hd), rand(5, nkv * vd)
+    K.kv_write(k_new, v_new, kptr, vptr, pos)
+    for m in range(5):
+        np.testing.assert_array_equal(kc[seq[m]][pos[m]], k_new[m])
+        np.testing.assert_array_equal(vc[seq[m]][pos[m]], v_new[m])
+    q = rand(5, nh * hd)
+    out = np.empty((5, nh * vd), np.float32)
+    K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, vd, hd ** -0.5, window, softcap)
+    ks = [kc[s].reshape(-1, nkv, hd) for s in seq]
+    vs = [vc[s].reshape(-1, nkv, vd) for s in seq]
+    np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, hd ** -0.5, window, softcap), **TOL)
+
+
+@pytest.mark.parametrize("M,E,k", [(1, 4, 1), (7, 8, 2), (5, 33, 4)])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_moe_route_softmax(M, E, k, renorm):
+    logits = rand(M, E, scale=2)
+    idx, w = np.empty((M, k), np.int32), np.empty((M, k), np.float32)
+    K.moe_route_softmax(logits, k, renorm, idx, w)
+    ridx, rw = R.moe_route_softmax(logits, k, renorm)
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_allclose(w, rw, **TOL)
+
+
+@pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 16, 8), (6, 5, 2, 33, 17), (11, 8, 3, 40, 23)])
+@pytest.mark.parametrize("act", [0, 1])
+def test_moe_experts(M, E, k, H, I, act):
+    x = rand(M, H)
+    gate, up, down = rand(E, I, H, scale=0.3), rand(E, I, H, scale=0.3), rand(E, H, I, scale=0.3)
+    idx = np.stack([RNG.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
+    w = RNG.random((M, k)).astype(np.float32)
+    n = M * k
+    out = np.full((M, H), 0.5, np.float32)  # the kernel accumulates into out
+    counts = np.zeros(E, np.int64)
+    scratch = np.empty(K.moe_scratch_ints(M, k, E, I, H), np.int32)
+    ptrs = [np.array([a.ctypes.data + e * a.strides[0] for e in range(E)], np.int64) for a in (gate, up, down)]
+    K.moe_experts(x, idx, w, *ptrs, I, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
+                  np.empty((n, I), np.float32), np.empty((n, H), np.float32), scratch, counts, act)
+    np.testing.assert_allclose(out, 0.5 + R.moe_experts(x, idx, w, gate, up, down, act), **TOL)
+    np.testing.assert_array_equal(counts, np.bincount(idx.ravel(), minlength=E))
