@@ -19,6 +19,7 @@ from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
 from coli.models.base import Weights
+from coli.quant import check_format
 from coli.sampling import Sampler, SamplingParams
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,17 +42,24 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
-         max_context: int | None = None, **options) -> "Model":
+         max_context: int | None = None, quant: str = "f32", head_quant: str | None = None,
+         **options) -> "Model":
     """Load a Hugging Face model directory (config.json, *.safetensors, tokenizer files).
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
-    $COLI_THREADS, then the usable cores; ``max_context`` to the model's own."""
+    $COLI_THREADS, then the usable cores; ``max_context`` to the model's own.
+    ``quant`` ("f32", "bf16", "int8", "int4") is the format of linear layers and
+    experts; ``head_quant`` that of the LM head and embeddings (default: the same,
+    except int8 under int4)."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
+    check_format(quant)
+    if head_quant is not None:
+        check_format(head_quant)
     model_dir = resolve_model_path(path)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    net = build_model(cfg, Weights(Checkpoint(model_dir)))
+    net = build_model(cfg, Weights(Checkpoint(model_dir), quant, head_quant))
     return Model(model_dir, cfg, tokenizer, Engine(net, threads=threads, max_context=max_context))
 
 

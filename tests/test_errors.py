@@ -119,5 +119,5 @@ def test_api_raises_typed_errors(model_copy):
 def test_load_does_not_copy_f32_weights(model_copy):
     """f32 tensors are views of the mapped file, not copies."""
     m = coli.load(model_copy)
-    q = m.engine.model.layers[0].attn.q_proj
+    q = m.engine.model.layers[0].attn.q_proj.mat.data
     assert not q.flags.owndata and not q.flags.writeable

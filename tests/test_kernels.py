@@ -7,6 +7,7 @@ import pytest
 
 from coli._engine import kernels as K
 from coli._engine import reference as R
+from coli.quant import dequantize, quantize, reference_qlinear
 
 RNG = np.random.default_rng(1234)
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -118,19 +119,82 @@ def test_moe_route_softmax(M, E, k, renorm):
     np.testing.assert_allclose(w, rw, **TOL)
 
 
-@pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 16, 8), (6, 5, 2, 33, 17), (11, 8, 3, 40, 23)])
+@pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 16, 8), (6, 5, 2, 33, 17), (11, 8, 3, 40, 23), (3, 4, 2, 64, 96)])
 @pytest.mark.parametrize("act", [0, 1])
-def test_moe_experts(M, E, k, H, I, act):
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+def test_moe_experts(M, E, k, H, I, act, fmt):
     x = rand(M, H)
     gate, up, down = rand(E, I, H, scale=0.3), rand(E, I, H, scale=0.3), rand(E, H, I, scale=0.3)
     idx = np.stack([RNG.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
     w = RNG.random((M, k)).astype(np.float32)
-    n = M * k
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    mats = [[quantize(a[e], fmt) for a in (gate, up, down)] for e in range(E)]
+    for e in range(E):
+        table.set(e, *mats[e])
+    n, hp, ip = M * k, K.padded(H), K.padded(I)
     out = np.full((M, H), 0.5, np.float32)  # the kernel accumulates into out
     counts = np.zeros(E, np.int64)
     scratch = np.empty(K.moe_scratch_ints(M, k, E, I, H), np.int32)
-    ptrs = [np.array([a.ctypes.data + e * a.strides[0] for e in range(E)], np.int64) for a in (gate, up, down)]
-    K.moe_experts(x, idx, w, *ptrs, I, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
-                  np.empty((n, I), np.float32), np.empty((n, H), np.float32), scratch, counts, act)
-    np.testing.assert_allclose(out, 0.5 + R.moe_experts(x, idx, w, gate, up, down, act), **TOL)
+    K.moe_experts(x, idx, w, table, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
+                  np.empty((n, I), np.float32), np.empty((n, H), np.float32), scratch, counts, act,
+                  np.empty((n, hp), np.int8), np.empty((n, hp // 32), np.float32), np.empty((n, hp // 32), np.int32),
+                  np.empty((n, ip), np.int8), np.empty((n, ip // 32), np.float32), np.empty((n, ip // 32), np.int32))
+    deq = [np.stack([dequantize(mats[e][j]) for e in range(E)]) for j in range(3)]
+    if fmt in ("f32", "bf16"):
+        ref = R.moe_experts(x, idx, w, *deq, act)
+    else:  # the twin quantizes activations the way the kernel does, at both matmuls
+        ref = np.zeros((M, H), np.float64)
+        for m in range(M):
+            for j in range(k):
+                e = idx[m, j]
+                xm = x[m : m + 1]
+                h = R.ACTS[act](reference_qlinear(xm, mats[e][0]).astype(np.float64)) * reference_qlinear(xm, mats[e][1])
+                ref[m] += w[m, j] * reference_qlinear(h.astype(np.float32), mats[e][2])[0]
+    tol = TOL if fmt != "int4" else dict(atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out, 0.5 + ref, **tol)
     np.testing.assert_array_equal(counts, np.bincount(idx.ravel(), minlength=E))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("M,N,K_", [(1, 5, 32), (3, 17, 64), (5, 33, 100), (9, 20, 1024), (4, 8, 7)])
+def test_qlinear(fmt, M, N, K_):
+    """Every format against its NumPy twin: same quantized operands, float64 accumulation."""
+    x, w, b = rand(M, K_), rand(N, K_, scale=0.2), rand(N)
+    m = quantize(w, fmt)
+    kp = K.padded(K_)
+    out = np.empty((M, N), np.float32)
+    K.qlinear(x, m, out, b, np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32),
+              np.empty((M, kp // 32), np.int32))
+    np.testing.assert_allclose(out, reference_qlinear(x, m) + b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantization_error_is_bounded(fmt):
+    """Dequantized weights stay within half a step of the originals (int4: one step, since
+    the positive side of a group whose extreme is negative is clipped at +7 steps)."""
+    w = rand(16, 96)
+    m = quantize(w, fmt)
+    err = np.abs(dequantize(m) - w).reshape(16, 3, 32).max(axis=-1)
+    step = np.abs(m.scales.astype(np.float32)[:, :3])
+    assert np.all(err <= step * (0.5 if fmt == "int8" else 1.0) + 1e-3 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+def test_embed_rows(fmt):
+    table = quantize(rand(40, 45), fmt)
+    ids = np.array([0, 39, 7, 7], np.int32)
+    out = np.empty((4, 45), np.float32)
+    K.embed_rows(ids, table, out, 2.0)
+    np.testing.assert_allclose(out, dequantize(table)[ids] * 2.0, atol=1e-6)
+
+
+def test_quantize_rows_matches_twin():
+    from coli.quant import quantize_activations
+    x = rand(3, 70, scale=4)
+    kp = K.padded(70)
+    q, d, s = np.empty((3, kp), np.int8), np.empty((3, kp // 32), np.float32), np.empty((3, kp // 32), np.int32)
+    K.quantize_rows(x, q, d, s)
+    rq, rd, rs = quantize_activations(x)
+    np.testing.assert_array_equal(q, rq)
+    np.testing.assert_allclose(d, rd, rtol=1e-7)
+    np.testing.assert_array_equal(s, rs)

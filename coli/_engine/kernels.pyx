@@ -14,7 +14,8 @@ in a fixed order: results do not depend on the thread count.
 cimport openmp
 from cython.parallel cimport parallel, prange
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 cdef extern from "simd.h" nogil:
@@ -26,10 +27,35 @@ cdef extern from "simd.h" nogil:
     float coli_silu(float x)
     float coli_gelu_tanh(float x)
 
+cdef extern from "simd_q.h" nogil:
+    ctypedef struct coli_mat:
+        int fmt
+        const void *w
+        const uint16_t *d
+        long ldw
+        long ldd
+    ctypedef struct coli_act:
+        const float *x
+        const int8_t *q
+        const float *qd
+        const int32_t *qs
+        long ldx
+        long ldq
+        long ldb
+    enum:
+        COLI_F32
+        COLI_BF16
+        COLI_Q8
+        COLI_Q4
+    void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s)
+    void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
+    void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+
 cdef enum:
     ROW_BLOCK = 16      # weight rows per parallel work item
     ACT_SILU = 0
     ACT_GELU_TANH = 1
+    QK = 32             # quantization group
 
 cdef int _nthreads = 1
 
@@ -261,102 +287,4 @@ cdef inline bint _taken(const int32_t *chosen, int n, int e) noexcept nogil:
     return False
 
 
-def moe_scratch_ints(int M, int k, int E, int inter, int hidden):
-    """Length of the int32 scratch moe_experts needs for M tokens."""
-    cdef long pairs = <long>M * k
-    cdef long active = pairs if pairs < E else E
-    cdef long items = active * ((inter + ROW_BLOCK - 1) // ROW_BLOCK + (hidden + ROW_BLOCK - 1) // ROW_BLOCK)
-    return 3 * E + 1 + 2 * pairs + 2 * items
-
-
-def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:, ::1] weights,
-                const int64_t[::1] gate_ptrs, const int64_t[::1] up_ptrs, const int64_t[::1] down_ptrs,
-                int inter, float[:, ::1] out, float[:, ::1] xg, float[:, ::1] gbuf, float[:, ::1] ubuf,
-                float[:, ::1] ybuf, int32_t[::1] iscratch, int64_t[::1] counts, int act=ACT_SILU):
-    """out[m] += sum_j weights[m, j] * expert_{idx[m, j]}(x[m]) for a gated MLP expert
-    down(act(gate(x)) * up(x)).
-
-    Expert e's weights live at gate_ptrs[e] / up_ptrs[e] (inter, hidden) and
-    down_ptrs[e] (hidden, inter), wherever they are (mapped file, cache slot).
-    Tokens are grouped by expert so each expert's weights are read once for all of
-    its tokens; the (expert, row block) work items of all experts are spread over
-    the threads together. counts[e] is increased by the tokens routed to e.
-    Scratch: xg, ybuf (M*k, hidden); gbuf, ubuf (M*k, inter); iscratch
-    (moe_scratch_ints)."""
-    cdef int M = x.shape[0], H = x.shape[1], k = idx.shape[1], E = gate_ptrs.shape[0]
-    cdef int pairs = M * k
-    if M == 0:
-        return
-    if weights.shape[0] != M or weights.shape[1] != k or out.shape[0] != M or out.shape[1] != H:
-        raise ValueError("moe_experts: shape mismatch")
-    if up_ptrs.shape[0] != E or down_ptrs.shape[0] != E or counts.shape[0] != E:
-        raise ValueError("moe_experts: expert tables disagree")
-    if (xg.shape[0] < pairs or xg.shape[1] != H or ybuf.shape[0] < pairs or ybuf.shape[1] != H
-            or gbuf.shape[0] < pairs or gbuf.shape[1] != inter or ubuf.shape[0] < pairs
-            or ubuf.shape[1] != inter or iscratch.shape[0] < moe_scratch_ints(M, k, E, inter, H)):
-        raise ValueError("moe_experts: scratch too small")
-    cdef int *cnt = <int *>&iscratch[0]             # (E,) tokens per expert
-    cdef int *offs = cnt + E                 # (E+1,) first row of each expert in xg
-    cdef int *fill = offs + E + 1            # (E,)
-    cdef int *slot = fill + E                # (M*k,) row of (m, j) in xg
-    cdef int *it1 = slot + pairs             # work items, phase 1 then phase 2
-    cdef int m, j, e, b, r, c, p, it, n0, nb, ne, off, n1 = 0, n2 = 0
-    cdef float w
-    cdef const float *G
-    cdef const float *U
-    cdef const float *D
-    with nogil:
-        memset(cnt, 0, E * sizeof(int))
-        for m in range(M):
-            for j in range(k):
-                cnt[idx[m, j]] += 1
-        offs[0] = 0
-        for e in range(E):
-            offs[e + 1] = offs[e] + cnt[e]
-            fill[e] = offs[e]
-            counts[e] += cnt[e]
-        for m in range(M):
-            for j in range(k):
-                e = idx[m, j]
-                slot[m * k + j] = fill[e]
-                memcpy(&xg[fill[e], 0], &x[m, 0], H * sizeof(float))
-                fill[e] += 1
-        for e in range(E):
-            if cnt[e] > 0:
-                for b in range((inter + ROW_BLOCK - 1) // ROW_BLOCK):
-                    it1[n1] = e * 65536 + b
-                    n1 = n1 + 1
-        for e in range(E):
-            if cnt[e] > 0:
-                for b in range((H + ROW_BLOCK - 1) // ROW_BLOCK):
-                    it1[n1 + n2] = e * 65536 + b
-                    n2 = n2 + 1
-    with nogil, parallel(num_threads=_nthreads):
-        for it in prange(n1, schedule='dynamic'):
-            e = it1[it] // 65536
-            n0 = (it1[it] % 65536) * ROW_BLOCK
-            nb = inter - n0 if inter - n0 < ROW_BLOCK else ROW_BLOCK
-            ne = cnt[e]
-            off = offs[e]
-            G = <const float *>gate_ptrs[e]
-            U = <const float *>up_ptrs[e]
-            coli_gemm_nt(&xg[off, 0], H, ne, G + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter)
-            coli_gemm_nt(&xg[off, 0], H, ne, U + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter)
-            for r in range(ne):
-                for c in range(nb):
-                    gbuf[off + r, n0 + c] = _act(gbuf[off + r, n0 + c], act) * ubuf[off + r, n0 + c]
-        for it in prange(n2, schedule='dynamic'):
-            e = it1[n1 + it] // 65536
-            n0 = (it1[n1 + it] % 65536) * ROW_BLOCK
-            nb = H - n0 if H - n0 < ROW_BLOCK else ROW_BLOCK
-            ne = cnt[e]
-            off = offs[e]
-            D = <const float *>down_ptrs[e]
-            coli_gemm_nt(&gbuf[off, 0], inter, ne, D + <long>n0 * inter, inter, nb, inter,
-                         &ybuf[off, n0], H)
-        for m in prange(M, schedule='static'):
-            for j in range(k):
-                p = slot[m * k + j]
-                w = weights[m, j]
-                for c in range(H):
-                    out[m, c] += w * ybuf[p, c]
+include "quant.pxi"

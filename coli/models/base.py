@@ -19,6 +19,7 @@ import numpy as np
 from coli._engine import kernels as K
 from coli.config import ModelConfig
 from coli.errors import ModelLoadError
+from coli.quant import quantize
 from coli.weights.safetensors import Checkpoint
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
@@ -59,10 +60,21 @@ class Batch:
 
 
 class Weights:
-    """Typed access to a checkpoint's tensors with the shape config.json implies."""
+    """Typed access to a checkpoint's tensors with the shape config.json implies, and
+    the formats chosen for them: ``quant`` for linear layers and experts, ``head_quant``
+    for the LM head and the embedding table (routers and norms stay f32)."""
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, quant: str = "f32", head_quant: str | None = None):
         self.ckpt = ckpt
+        self.quant = quant
+        self.head_quant = head_quant or {"int4": "int8"}.get(quant, quant)
+
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
+        return quantize(self(name, rows, cols), fmt or self.quant)
+
+    def linear(self, name: str, rows: int, cols: int, bias: bool = False) -> "Linear":
+        b = self(name.removesuffix(".weight") + ".bias", rows) if bias else None
+        return Linear(self.matrix(name, rows, cols), b)
 
     def __call__(self, name: str, *shape: int) -> np.ndarray:
         return self.ckpt.f32(name, shape)
@@ -74,6 +86,19 @@ class Weights:
         return name in self.ckpt
 
 
+class Linear:
+    """y = x @ W.T (+ b), W in the format chosen at load; int8/int4 quantize x on the fly."""
+
+    def __init__(self, mat: K.QMatrix, bias: np.ndarray | None = None):
+        self.mat, self.bias = mat, bias
+        self.kp = K.padded(mat.cols)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray, rs: RunState) -> None:
+        M, nb = len(x), self.kp // 32
+        K.qlinear(x, self.mat, out, self.bias, rs.get("xq", M, self.kp, np.int8), rs.get("xqd", M, nb),
+                  rs.get("xqs", M, nb, np.int32))
+
+
 class Attention:
     """Multi-head attention with GQA, optional q/k RMSNorm (per head or over the whole
     projection), optional biases, optional clipping, RoPE on the first rot_dim dims."""
@@ -82,14 +107,10 @@ class Attention:
                  qk_norm: str | None, clip_qkv: float | None = None):
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
-        self.q_proj = w(f"{prefix}.q_proj.weight", nh * hd, H)  # (nh*hd, H)
-        self.k_proj = w(f"{prefix}.k_proj.weight", nkv * hd, H)  # (nkv*hd, H)
-        self.v_proj = w(f"{prefix}.v_proj.weight", nkv * hd, H)
-        self.o_proj = w(f"{prefix}.o_proj.weight", H, nh * hd)  # (H, nh*hd)
-        self.q_bias = w(f"{prefix}.q_proj.bias", nh * hd) if qkv_bias else None
-        self.k_bias = w(f"{prefix}.k_proj.bias", nkv * hd) if qkv_bias else None
-        self.v_bias = w(f"{prefix}.v_proj.bias", nkv * hd) if qkv_bias else None
-        self.o_bias = w(f"{prefix}.o_proj.bias", H) if o_bias else None
+        self.q_proj = w.linear(f"{prefix}.q_proj.weight", nh * hd, H, qkv_bias)  # (nh*hd, H)
+        self.k_proj = w.linear(f"{prefix}.k_proj.weight", nkv * hd, H, qkv_bias)  # (nkv*hd, H)
+        self.v_proj = w.linear(f"{prefix}.v_proj.weight", nkv * hd, H, qkv_bias)
+        self.o_proj = w.linear(f"{prefix}.o_proj.weight", H, nh * hd, o_bias)  # (H, nh*hd)
         self.qk_norm = qk_norm
         if qk_norm == "head":
             self.q_norm, self.k_norm = w(f"{prefix}.q_norm.weight", hd), w(f"{prefix}.k_norm.weight", hd)
@@ -107,9 +128,9 @@ class Attention:
         q = rs.get("q", M, self.nh * self.hd)  # (M, nh*hd)
         k = rs.get("k", M, self.nkv * self.hd)  # (M, nkv*hd)
         v = rs.get("v", M, self.nkv * self.hd)
-        K.linear(x, self.q_proj, q, self.q_bias)
-        K.linear(x, self.k_proj, k, self.k_bias)
-        K.linear(x, self.v_proj, v, self.v_bias)
+        self.q_proj(x, q, rs)
+        self.k_proj(x, k, rs)
+        self.v_proj(x, v, rs)
         if self.qk_norm == "head":
             K.rmsnorm(q.reshape(M * self.nh, self.hd), self.q_norm, self.eps, q.reshape(M * self.nh, self.hd))
             K.rmsnorm(k.reshape(M * self.nkv, self.hd), self.k_norm, self.eps, k.reshape(M * self.nkv, self.hd))
@@ -125,7 +146,7 @@ class Attention:
         a = rs.get("attn", M, self.nh * self.hd)  # (M, nh*hd)
         K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
                     self.hd, self.scale)
-        K.linear(a, self.o_proj, out, self.o_bias)
+        self.o_proj(a, out, rs)
 
 
 class GatedMLP:
@@ -134,54 +155,50 @@ class GatedMLP:
     def __init__(self, w: Weights, prefix: str, hidden: int, inter: int, act: int,
                  names=("gate_proj", "up_proj", "down_proj")):
         g, u, d = names
-        self.gate = w(f"{prefix}.{g}.weight", inter, hidden)  # (I, H)
-        self.up = w(f"{prefix}.{u}.weight", inter, hidden)  # (I, H)
-        self.down = w(f"{prefix}.{d}.weight", hidden, inter)  # (H, I)
+        self.gate = w.linear(f"{prefix}.{g}.weight", inter, hidden)  # (I, H)
+        self.up = w.linear(f"{prefix}.{u}.weight", inter, hidden)  # (I, H)
+        self.down = w.linear(f"{prefix}.{d}.weight", hidden, inter)  # (H, I)
         self.inter, self.act = inter, act
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         M = len(x)
         g = rs.get("mlp_g", M, self.inter)  # (M, I)
         u = rs.get("mlp_u", M, self.inter)
-        K.linear(x, self.gate, g)
-        K.linear(x, self.up, u)
+        self.gate(x, g, rs)
+        self.up(x, u, rs)
         K.gated_act(g, u, g, self.act)
-        K.linear(g, self.down, out)
+        self.down(g, out, rs)
 
 
 class MoE:
     """Softmax-routed top-k mixture of gated-MLP experts.
 
-    Expert weights are addressed through pointer tables (one entry per expert), so
-    the same kernel serves experts mapped from the checkpoint, stacked in one
-    tensor, or (later) held in a cache of slots."""
+    Experts are reached through an ``ExpertTable`` (one entry per expert), so the same
+    kernel serves experts mapped from the checkpoint, quantized at load, or held in a
+    cache of slots."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, router: str, experts: str,
                  names=("gate_proj", "up_proj", "down_proj"), renormalize: bool, act: int):
         H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.E, self.k, self.inter, self.H, self.act = E, cfg.num_experts_per_tok, I, H, act
         self.renormalize = renormalize
-        self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H)
+        self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H), f32
+        self.table = K.ExpertTable(E, H, I, K.FORMATS[w.quant])
         g, u, d = names
-        self._keep: list[np.ndarray] = []  # the arrays behind the pointer tables
-        if w.has(f"{prefix}.{experts}.gate_up_proj"):  # transformers 5 fused layout
+        fused = w.has(f"{prefix}.{experts}.gate_up_proj")  # transformers 5 layout
+        if fused:
             gu = w(f"{prefix}.{experts}.gate_up_proj", E, 2 * I, H)  # (E, 2I, H)
             dn = w(f"{prefix}.{experts}.down_proj", E, H, I)  # (E, H, I)
-            self._keep += [gu, dn]
-            base, step = gu.ctypes.data, 2 * I * H * 4
-            self.gate_ptrs = np.array([base + e * step for e in range(E)], dtype=np.int64)
-            self.up_ptrs = self.gate_ptrs + I * H * 4
-            self.down_ptrs = np.array([dn.ctypes.data + e * H * I * 4 for e in range(E)], dtype=np.int64)
-        else:
-            tabs = {g: [], u: [], d: []}
-            for e in range(E):
-                for n, shape in ((g, (I, H)), (u, (I, H)), (d, (H, I))):
-                    t = w(f"{prefix}.{experts}.{e}.{n}.weight", *shape)
-                    self._keep.append(t)
-                    tabs[n].append(t.ctypes.data)
-            self.gate_ptrs, self.up_ptrs, self.down_ptrs = (np.array(tabs[n], dtype=np.int64) for n in (g, u, d))
+        for e in range(E):
+            if fused:
+                mats = (gu[e, :I], gu[e, I:], dn[e])
+            else:
+                mats = (w(f"{prefix}.{experts}.{e}.{g}.weight", I, H), w(f"{prefix}.{experts}.{e}.{u}.weight", I, H),
+                        w(f"{prefix}.{experts}.{e}.{d}.weight", H, I))
+            self.table.set(e, *(quantize(np.ascontiguousarray(m), w.quant) for m in mats))
+        self.kp_h, self.kp_i = K.padded(H), K.padded(I)
         self.counts = np.zeros(E, dtype=np.int64)  # tokens routed to each expert so far (heat)
-        self.last = np.zeros(0, dtype=np.int32)  # experts routed in the latest step
+        self.last = np.zeros((0, self.k), dtype=np.int32)  # experts routed in the latest step
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         M, k = len(x), self.k
@@ -192,12 +209,15 @@ class MoE:
         K.moe_route_softmax(logits, k, self.renormalize, idx, wts)
         out[:] = 0
         n = M * k
-        K.moe_experts(x, idx, wts, self.gate_ptrs, self.up_ptrs, self.down_ptrs, self.inter, out,
+        K.moe_experts(x, idx, wts, self.table, out,
                       rs.get("moe_xg", n, self.H), rs.get("moe_g", n, self.inter), rs.get("moe_u", n, self.inter),
                       rs.get("moe_y", n, self.H),
                       rs.get("moe_i", 1, K.moe_scratch_ints(M, k, self.E, self.inter, self.H), np.int32)[0],
-                      self.counts, self.act)
-        self.last = idx
+                      self.counts, self.act,
+                      rs.get("moe_xq", n, self.kp_h, np.int8), rs.get("moe_xqd", n, self.kp_h // 32),
+                      rs.get("moe_xqs", n, self.kp_h // 32, np.int32), rs.get("moe_hq", n, self.kp_i, np.int8),
+                      rs.get("moe_hqd", n, self.kp_i // 32), rs.get("moe_hqs", n, self.kp_i // 32, np.int32))
+        self.last = idx.copy()
 
 
 @dataclass
@@ -214,12 +234,12 @@ class DecoderLM:
     def __init__(self, cfg: ModelConfig, w: Weights, layers: list[Layer], *, prefix: str = "model"):
         H, V = cfg.hidden_size, cfg.vocab_size
         self.cfg = cfg
-        self.embed = w(f"{prefix}.embed_tokens.weight", V, H)  # (V, H)
+        self.embed = w.matrix(f"{prefix}.embed_tokens.weight", V, H, w.head_quant)  # (V, H)
         self.norm = w(f"{prefix}.norm.weight", H)
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = w("lm_head.weight", V, H)  # (V, H)
+            self.lm_head = Linear(w.matrix("lm_head.weight", V, H, w.head_quant))  # (V, H)
         self.layers = layers
         self.eps = cfg.rms_norm_eps
         self.embed_scale = 1.0
@@ -235,7 +255,7 @@ class DecoderLM:
         x = rs.get("x", M, H)  # (M, H) residual stream
         h = rs.get("h", M, H)  # (M, H) normed input of a block
         o = rs.get("o", M, H)  # (M, H) block output
-        K.embed(batch.ids, self.embed, x, self.embed_scale)
+        K.embed_rows(batch.ids, self.embed, x, self.embed_scale)
         for i, layer in enumerate(self.layers):
             K.rmsnorm(x, layer.input_norm, self.eps, h, self.unit_offset_norm)
             layer.attn(h, batch, i, rs, o)
@@ -248,7 +268,7 @@ class DecoderLM:
         np.take(x, logit_rows, axis=0, out=hr)
         K.rmsnorm(hr, self.norm, self.eps, hr, self.unit_offset_norm)
         logits = rs.get("logits", R, self.cfg.vocab_size)  # (R, V), valid until the next step
-        K.linear(hr, self.lm_head, logits)
+        self.lm_head(hr, logits, rs)
         return logits
 
 

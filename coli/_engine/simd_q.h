@@ -1,0 +1,271 @@
+/* Quantized and half-precision weight formats for coli._engine.kernels.
+ *
+ * Formats (chosen per tensor at load time; see docs/FORMAT.md):
+ *   COLI_F32   float32 weights                       (N, K)
+ *   COLI_BF16  bfloat16 weights, widened in registers (N, K) uint16
+ *   COLI_Q8    int8 in groups of 32 along K, one float16 scale per group:
+ *              q (N, Kp) int8 in [-127, 127], d (N, Kp/32) f16;  w = d * q
+ *   COLI_Q4    int4 in groups of 32 along K, one float16 scale per group:
+ *              q (N, Kp/2) uint8, d (N, Kp/32) f16;  w = d * (nibble - 8).
+ *              Within a group's 16 bytes, byte i holds element i (low nibble)
+ *              and element i + 16 (high nibble).
+ * Kp is K rounded up to 32; padding weights are 0.
+ *
+ * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
+ * float scale (and, for Q4's offset, the group's integer sum), so a group's dot
+ * product is one integer multiply-add of 32 pairs: AVX512-VNNI / AVX-VNNI
+ * dpbusd where the CPU has it, AVX2 maddubs otherwise, plain C as the fallback.
+ */
+#ifndef COLI_SIMD_Q_H
+#define COLI_SIMD_Q_H
+
+#include "simd.h"
+
+#define QK 32
+enum { COLI_F32 = 0, COLI_BF16 = 1, COLI_Q8 = 2, COLI_Q4 = 3 };
+
+/* A weight matrix in any format, rows [0, N). */
+typedef struct {
+    int fmt;
+    const void *w;      /* data: float / uint16 (bf16) / int8 / uint8 nibbles */
+    const uint16_t *d;  /* f16 group scales (Q8, Q4), else NULL */
+    long ldw;           /* elements of w per row (bytes for Q8/Q4) */
+    long ldd;           /* scales per row */
+} coli_mat;
+
+/* Activations for one GEMM: float rows, plus their int8 quantization for Q8/Q4. */
+typedef struct {
+    const float *x;     /* (M, ldx) */
+    const int8_t *q;    /* (M, ldq) int8, Kp columns */
+    const float *qd;    /* (M, ldb) group scales */
+    const int32_t *qs;  /* (M, ldb) group sums of q */
+    long ldx, ldq, ldb;
+} coli_act;
+
+static inline float coli_f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        if (m == 0) bits = s;
+        else { e = 127 - 15 + 1; while (!(m & 0x400)) { m <<= 1; e--; } bits = s | (e << 23) | ((m & 0x3ff) << 13); }
+    } else if (e == 31) bits = s | 0x7f800000 | (m << 13);
+    else bits = s | ((e + 127 - 15) << 23) | (m << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* Quantize one row of K floats into Kp/32 int8 groups: q = round(x / d), d = max|x| / 127. */
+static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s) {
+    int nb = (K + QK - 1) / QK;
+    for (int b = 0; b < nb; b++) {
+        int n = K - b * QK < QK ? K - b * QK : QK;
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < n; i++) { float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
+        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < n; i++) { int v = (int)lrintf(xb[i] * inv); q[b * QK + i] = (int8_t)v; sum += v; }
+        for (int i = n; i < QK; i++) q[b * QK + i] = 0;
+        d[b] = scale;
+        s[b] = sum;
+    }
+}
+
+#if defined(__AVX2__)
+/* 8 int32 lanes of sum(u8 * s8) over 32 byte pairs. */
+static inline __m256i coli_dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i coli_unpack_q4(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+static inline float coli_hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+
+/* MR tokens x NR rows of a quantized GEMM; Q4 when IS4, else Q8. */
+#define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        __m256 acc[MR][NR];                                                                        \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                          \
+        for (int b = 0; b < nb; b++) {                                                             \
+            __m256i w[NR];                                                                         \
+            float dw[NR];                                                                          \
+            for (int j = 0; j < NR; j++) {                                                         \
+                w[j] = IS4 ? coli_unpack_q4(wq + j * ldw + b * 16)                                 \
+                           : _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 32));         \
+                dw[j] = coli_f16_to_f32(wd[j * ldd + b]);                                          \
+            }                                                                                      \
+            for (int i = 0; i < MR; i++) {                                                         \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + i * a->ldq + b * 32));     \
+                float dx = a->qd[i * a->ldb + b];                                                  \
+                __m256i bs = _mm256_set1_epi32(IS4 ? a->qs[i * a->ldb + b] : 0);                   \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m256i d = IS4 ? _mm256_sub_epi32(coli_dot_u8s8(w[j], x), bs)                 \
+                                    : coli_dot_u8s8(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j])); \
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[j] * dx), \
+                                                acc[i][j]);                                        \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_hsum256(acc[i][j]);                 \
+    }
+#else
+/* Scalar fallback: same arithmetic, one pair at a time. */
+#define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float acc = 0.0f;                                                                  \
+                for (int b = 0; b < nb; b++) {                                                     \
+                    const int8_t *x = a->q + i * a->ldq + b * 32;                                  \
+                    int32_t dot = 0;                                                               \
+                    for (int t = 0; t < 32; t++) {                                                 \
+                        int wv = IS4 ? ((t < 16 ? (wq[j * ldw + b * 16 + t] & 15)                  \
+                                                : (wq[j * ldw + b * 16 + t - 16] >> 4)) - 8)       \
+                                     : (int)((const int8_t *)wq)[j * ldw + b * 32 + t];            \
+                        dot += wv * x[t];                                                          \
+                    }                                                                              \
+                    acc += (float)dot * (coli_f16_to_f32(wd[j * ldd + b]) * a->qd[i * a->ldb + b]); \
+                }                                                                                  \
+                Y[i * ldy + j] = acc;                                                              \
+            }                                                                                      \
+    }
+#endif
+
+#define COLI_QTILES(NAME, IS4)                                                                     \
+    COLI_QTILE(NAME, IS4, 1, 1) COLI_QTILE(NAME, IS4, 1, 2) COLI_QTILE(NAME, IS4, 1, 3)            \
+    COLI_QTILE(NAME, IS4, 1, 4) COLI_QTILE(NAME, IS4, 2, 1) COLI_QTILE(NAME, IS4, 2, 2)            \
+    COLI_QTILE(NAME, IS4, 2, 3) COLI_QTILE(NAME, IS4, 2, 4) COLI_QTILE(NAME, IS4, 3, 1)            \
+    COLI_QTILE(NAME, IS4, 3, 2) COLI_QTILE(NAME, IS4, 3, 3) COLI_QTILE(NAME, IS4, 3, 4)            \
+    COLI_QTILE(NAME, IS4, 4, 1) COLI_QTILE(NAME, IS4, 4, 2) COLI_QTILE(NAME, IS4, 4, 3)            \
+    COLI_QTILE(NAME, IS4, 4, 4)                                                                    \
+    static inline void NAME(int mr, int nr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                            long ldw, long ldd, int nb, float *Y, long ldy) {                       \
+        switch (mr * 8 + nr) {                                                                     \
+        case 9: NAME##_1x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                                \
+        case 10: NAME##_1x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 11: NAME##_1x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 12: NAME##_1x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 17: NAME##_2x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 18: NAME##_2x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 19: NAME##_2x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 20: NAME##_2x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 25: NAME##_3x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 26: NAME##_3x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 27: NAME##_3x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 28: NAME##_3x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 33: NAME##_4x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 34: NAME##_4x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 35: NAME##_4x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        default: NAME##_4x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        }                                                                                          \
+    }
+
+COLI_QTILES(coli_q8tile, 0)
+COLI_QTILES(coli_q4tile, 1)
+
+/* bf16 weights x f32 activations: the f32 tile with the weight rows widened on load. */
+static inline void coli_gemm_bf16(const float *X, long ldx, int M, const uint16_t *W, long ldw, int N,
+                                  int K, float *Y, long ldy) {
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++) {
+            const uint16_t *w = W + n * ldw;
+            const float *x = X + m * ldx;
+            int k = 0;
+            float s = 0.0f;
+#if defined(__AVX512F__)
+            __m512 acc = _mm512_setzero_ps();
+            for (; k + 16 <= K; k += 16) {
+                __m512i wi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k))), 16);
+                acc = _mm512_fmadd_ps(_mm512_castsi512_ps(wi), _mm512_loadu_ps(x + k), acc);
+            }
+            s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+            __m256 acc = _mm256_setzero_ps();
+            for (; k + 8 <= K; k += 8) {
+                __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + k))), 16);
+                acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(x + k), acc);
+            }
+            s = coli_hsum256(acc);
+#endif
+            for (; k < K; k++) {
+                uint32_t bits = (uint32_t)w[k] << 16;
+                float wf;
+                memcpy(&wf, &bits, 4);
+                s += wf * x[k];
+            }
+            Y[m * ldy + n] = s;
+        }
+}
+
+/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, any format. K: logical columns. */
+static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K,
+                                 float *Y, long ldy) {
+    if (W->fmt == COLI_F32) {
+        coli_gemm_nt(a->x, a->ldx, M, (const float *)W->w + n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
+    } else if (W->fmt == COLI_BF16) {
+        coli_gemm_bf16(a->x, a->ldx, M, (const uint16_t *)W->w + n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
+    } else {
+        int ngroups = (K + QK - 1) / QK;
+        const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
+        const uint16_t *wd = W->d + n0 * W->ldd;
+        for (int n = 0; n < nb; n += 4) {
+            int nr = nb - n < 4 ? nb - n : 4;
+            for (int m = 0; m < M; m += 4) {
+                int mr = M - m < 4 ? M - m : 4;
+                coli_act sub = *a;
+                sub.q = a->q + m * a->ldq;
+                sub.qd = a->qd + m * a->ldb;
+                sub.qs = a->qs + m * a->ldb;
+                if (W->fmt == COLI_Q4)
+                    coli_q4tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, W->ldw, W->ldd, ngroups,
+                                Y + m * ldy + n0 + n, ldy);
+                else
+                    coli_q8tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, W->ldw, W->ldd, ngroups,
+                                Y + m * ldy + n0 + n, ldy);
+            }
+        }
+    }
+}
+
+/* out[:K] = row r of W as float32. */
+static inline void coli_dequant_row(const coli_mat *W, int r, int K, float *out) {
+    if (W->fmt == COLI_F32) {
+        memcpy(out, (const float *)W->w + r * W->ldw, K * sizeof(float));
+    } else if (W->fmt == COLI_BF16) {
+        const uint16_t *w = (const uint16_t *)W->w + r * W->ldw;
+        for (int k = 0; k < K; k++) { uint32_t b = (uint32_t)w[k] << 16; memcpy(out + k, &b, 4); }
+    } else if (W->fmt == COLI_Q8) {
+        const int8_t *q = (const int8_t *)W->w + r * W->ldw;
+        for (int k = 0; k < K; k++) out[k] = coli_f16_to_f32(W->d[r * W->ldd + k / QK]) * q[k];
+    } else {
+        const uint8_t *q = (const uint8_t *)W->w + r * W->ldw;
+        for (int k = 0; k < K; k++) {
+            int b = k / QK, i = k % QK;
+            int v = i < 16 ? (q[b * 16 + i] & 15) : (q[b * 16 + i - 16] >> 4);
+            out[k] = coli_f16_to_f32(W->d[r * W->ldd + b]) * (v - 8);
+        }
+    }
+}
+
+#endif /* COLI_SIMD_Q_H */

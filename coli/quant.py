@@ -1,0 +1,110 @@
+"""Weight formats: f32, bf16, int8 and int4 (group-wise), chosen once at load time.
+
+int8: groups of 32 consecutive weights along the input dimension share one float16
+scale d = max|w| / 127, q = round(w / d) in [-127, 127].
+int4: groups of 32 share one float16 scale d = w_max / -8 where w_max is the weight
+of largest magnitude (sign kept), q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8);
+two weights per byte: byte i of a group holds element i (low nibble) and i + 16 (high).
+The input dimension is zero-padded to a multiple of 32. Activations are quantized to
+int8 groups of 32 on the fly by the kernels (see coli/_engine/simd_q.h).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from coli._engine import kernels as K
+from coli.errors import InvalidRequestError
+
+FORMATS = ("f32", "bf16", "int8", "int4")
+QK = 32
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise InvalidRequestError(f"unknown quantization {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    return fmt
+
+
+def _groups(w: np.ndarray) -> np.ndarray:
+    """(N, K) -> (N, Kp/32, 32) float32, zero-padded along K."""
+    N, Kdim = w.shape
+    kp = K.padded(Kdim)
+    if kp != Kdim:
+        w = np.concatenate([w, np.zeros((N, kp - Kdim), np.float32)], axis=1)
+    return np.asarray(w, dtype=np.float32).reshape(N, kp // QK, QK)
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    g = _groups(w)  # (N, nb, 32)
+    d = (np.abs(g).max(axis=-1) / 127.0).astype(np.float16)  # (N, nb)
+    df = d.astype(np.float32)[..., None]
+    inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+    q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
+    return q.reshape(len(w), -1), d
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    g = _groups(w)  # (N, nb, 32)
+    at = np.abs(g).argmax(axis=-1)[..., None]
+    wmax = np.take_along_axis(g, at, axis=-1)  # (N, nb, 1) signed
+    d = (wmax[..., 0] / -8.0).astype(np.float16)  # (N, nb)
+    df = d.astype(np.float32)[..., None]
+    inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+    q = np.clip(np.rint(g * inv) + 8, 0, 15).astype(np.uint8)  # (N, nb, 32)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # (N, nb, 16)
+    return packed.reshape(len(w), -1), d
+
+
+def to_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (exact for weights that were bf16)."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def quantize(w: np.ndarray, fmt: str) -> K.QMatrix:
+    """A (N, K) float32 weight as a QMatrix in ``fmt``."""
+    N, Kdim = w.shape
+    code = K.FORMATS[check_format(fmt)]
+    if fmt == "f32":
+        return K.QMatrix(code, np.ascontiguousarray(w, dtype=np.float32), None, N, Kdim)
+    if fmt == "bf16":
+        return K.QMatrix(code, to_bf16(w), None, N, Kdim)
+    q, d = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
+    return K.QMatrix(code, q, d, N, Kdim)
+
+
+def dequantize(m: K.QMatrix) -> np.ndarray:
+    """The float32 (rows, cols) matrix a QMatrix stands for (the NumPy twin of its format)."""
+    if m.format == "f32":
+        return np.asarray(m.data)
+    if m.format == "bf16":
+        return (m.data.astype(np.uint32) << 16).view(np.float32)
+    d = m.scales.astype(np.float32)[..., None]  # (N, nb, 1)
+    if m.format == "int8":
+        w = m.data.reshape(m.rows, -1, QK).astype(np.float32) * d
+    else:
+        p = m.data.reshape(m.rows, -1, 16)
+        q = np.concatenate([p & 15, p >> 4], axis=-1).astype(np.float32) - 8  # (N, nb, 32)
+        w = q * d
+    return w.reshape(m.rows, -1)[:, : m.cols]
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of the kernels' activation quantizer: (q int8 (M, Kp), d (M, nb), sums (M, nb))."""
+    g = _groups(x).astype(np.float32)  # (M, nb, 32)
+    amax = np.abs(g).max(axis=-1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)[..., None]
+    q = np.rint(g * inv).astype(np.int8)
+    return q.reshape(len(x), -1), d, q.astype(np.int32).sum(axis=-1)
+
+
+def reference_qlinear(x: np.ndarray, m: K.QMatrix) -> np.ndarray:
+    """What K.qlinear computes, in float64: for int8/int4 the activations are quantized
+    exactly as the kernel does, so only accumulation order differs."""
+    w = dequantize(m).astype(np.float64)
+    if m.format in ("f32", "bf16"):
+        return (x.astype(np.float64) @ w.T).astype(np.float32)
+    q, d, _ = quantize_activations(x)
+    xd = (q.reshape(len(x), -1, QK).astype(np.float64) * d[..., None]).reshape(len(x), -1)[:, : m.cols]
+    return (xd @ w.T).astype(np.float32)
