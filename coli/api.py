@@ -18,12 +18,13 @@ from coli.config import ModelConfig
 from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
-from coli.models.base import Weights
 from coli.quant import check_format
 from coli.sampling import Sampler, SamplingParams
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer, Tokenizer
 from coli.weights.safetensors import Checkpoint
+from coli.weights.converted import ConvertedWeights, is_converted
+from coli.weights.source import HFWeights
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 PREFILL_CHUNK = 256  # prompt tokens per forward pass
@@ -42,32 +43,63 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
-         max_context: int | None = None, quant: str = "f32", head_quant: str | None = None,
+         max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
+         ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
          **options) -> "Model":
-    """Load a Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+    """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
     $COLI_THREADS, then the usable cores; ``max_context`` to the model's own.
     ``quant`` ("f32", "bf16", "int8", "int4") is the format of linear layers and
-    experts; ``head_quant`` that of the LM head and embeddings (default: the same,
-    except int8 under int4)."""
+    experts (Hugging Face directories default to f32; a converted directory has its
+    own); ``head_quant`` that of the LM head and embeddings (default: the same,
+    except int8 under int4).
+
+    Converted directories only: ``ram_budget`` (bytes or "2G") caps the RAM for
+    experts (default: what is available); below the experts' size they are streamed
+    from disk through per-layer caches with a ``pin`` ("512M") hot set learned from
+    .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered"."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
-    check_format(quant)
-    if head_quant is not None:
-        check_format(head_quant)
+    for q in (quant, head_quant):
+        if q is not None:
+            check_format(q)
+    if io not in ("direct", "buffered"):
+        raise InvalidRequestError(f"io must be 'direct' or 'buffered' (got {io!r})")
     model_dir = resolve_model_path(path)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    net = build_model(cfg, Weights(Checkpoint(model_dir), quant, head_quant))
-    return Model(model_dir, cfg, tokenizer, Engine(net, threads=threads, max_context=max_context))
+    if is_converted(model_dir):
+        weights = ConvertedWeights(model_dir, quant, head_quant, dict(
+            ram_budget=_size(ram_budget, "ram_budget"), pin=_size(pin, "pin"), io=io))
+    else:
+        if ram_budget is not None or pin is not None:
+            raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "
+                                      "(coli convert SRC DST --quant int4)")
+        weights = HFWeights(Checkpoint(model_dir), quant or "f32", head_quant)
+    net = build_model(cfg, weights)
+    weights.finish()
+    engine = Engine(net, threads=threads, max_context=max_context, weights=weights)
+    return Model(model_dir, cfg, tokenizer, engine, weights)
+
+
+def _size(v, name: str) -> int | None:
+    if v is None or isinstance(v, int):
+        return v
+    from coli.experts.store import parse_size
+
+    try:
+        return parse_size(str(v))
+    except ValueError as e:
+        raise InvalidRequestError(f"{name}: {e}") from None
 
 
 class Model:
     """A loaded model: ``forward`` for logits, ``generate`` for text."""
 
-    def __init__(self, path: Path, config: ModelConfig, tokenizer: Tokenizer, engine: Engine):
+    def __init__(self, path: Path, config: ModelConfig, tokenizer: Tokenizer, engine: Engine, weights=None):
         self.path, self.config, self.tokenizer, self.engine = path, config, tokenizer, engine
+        self.weights = weights
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_id)
         self.generation_defaults = _generation_defaults(path)
 
@@ -157,8 +189,15 @@ class Model:
             logits = self.engine.step([(cache, [tok])])
         text, _ = stops.push(detok.flush())
         tail = text + stops.flush()
+        if self.weights is not None:
+            self.weights.flush()
         if tail:
             yield tail
+
+    def close(self) -> None:
+        """Save the routing history and release files and I/O threads."""
+        if self.weights is not None:
+            self.weights.close()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -90,16 +90,45 @@ class KVCache:
 
 @dataclass
 class StepStats:
+    """What one step did and where its time went (seconds)."""
+
     tokens: int = 0
     seconds: float = 0.0
+    attention: float = 0.0
+    expert_matmul: float = 0.0  # MoE layers minus the time spent waiting for expert reads
+    dense_mlp: float = 0.0
+    lm_head: float = 0.0
+    io_wait: float = 0.0  # waiting for experts to arrive from disk
+    disk: float = 0.0  # disk service time of expert reads (overlaps compute)
+    experts_needed: int = 0
+    experts_hit: int = 0  # resident, or already being read by a prefetch
+    bytes_read: int = 0
     routed: list[np.ndarray] = field(default_factory=list)  # per MoE layer: (M, k) expert ids
+
+    @property
+    def other(self) -> float:
+        return max(0.0, self.seconds - self.attention - self.expert_matmul - self.dense_mlp - self.lm_head
+                   - self.io_wait)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.experts_hit / self.experts_needed if self.experts_needed else 1.0
+
+    def __iadd__(self, o: "StepStats") -> "StepStats":
+        for f in ("tokens", "seconds", "attention", "expert_matmul", "dense_mlp", "lm_head", "io_wait", "disk",
+                  "experts_needed", "experts_hit", "bytes_read"):
+            setattr(self, f, getattr(self, f) + getattr(o, f))
+        self.routed = o.routed
+        return self
 
 
 class Engine:
     """Owns a built model and its run state; ``step`` runs one batched forward pass."""
 
-    def __init__(self, model: DecoderLM, *, threads: int | None = None, max_context: int | None = None):
+    def __init__(self, model: DecoderLM, *, threads: int | None = None, max_context: int | None = None,
+                 weights=None):
         self.model = model
+        self.weights = weights
         self.cfg = model.cfg
         self.threads = threads or default_threads()
         K.set_num_threads(self.threads)
@@ -108,6 +137,11 @@ class Engine:
         attn = model.layers[0].attn
         self._kw, self._vw = attn.nkv * attn.hd, attn.nkv * attn.hd
         self.last = StepStats()
+        self.totals = StepStats()
+        self._expert_bytes = sum(
+            sum(q.nbytes for q in m.table.get(e)) for m in model.moe_layers if m.table is not None
+            for e in range(m.E)) if weights is None or getattr(weights, "store", None) is None else 0
+        self._dense_bytes = _dense_bytes(model)
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         return KVCache(self.cfg.num_hidden_layers, self._kw, self._vw, capacity)
@@ -143,10 +177,65 @@ class Engine:
         batch = Batch(ids=flat.astype(np.int32), pos=np.concatenate(pos),
                       kptr=np.ascontiguousarray(np.concatenate(kp, axis=1)),
                       vptr=np.ascontiguousarray(np.concatenate(vp, axis=1)))
+        ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
         logits = self.model.forward(batch, self.run_state, np.concatenate(rows).astype(np.intp))
+        wall = time.perf_counter() - t0
         for cache, toks in entries:
             cache.tokens.extend(int(t) for t in toks)
-        self.last = StepStats(tokens=n, seconds=time.perf_counter() - t0,
-                              routed=[m.last for m in self.model.moe_layers])
+        ph, io1 = self.model.phases, self.io_stats()
+        wait = io1.io_wait_s - io0.io_wait_s if io1 else 0.0
+        self.last = StepStats(
+            tokens=n, seconds=wall, attention=ph["attention"] - ph0["attention"],
+            expert_matmul=max(0.0, ph["moe"] - ph0["moe"] - wait), dense_mlp=ph["mlp"] - ph0["mlp"],
+            lm_head=ph["lm_head"] - ph0["lm_head"], io_wait=wait,
+            disk=io1.disk_s - io0.disk_s if io1 else 0.0,
+            experts_needed=io1.needed - io0.needed if io1 else 0,
+            experts_hit=(io1.hits + io1.prefetch_hits - io0.hits - io0.prefetch_hits) if io1 else 0,
+            bytes_read=io1.bytes_read - io0.bytes_read if io1 else 0,
+            routed=[m.last for m in self.model.moe_layers])
+        if not io1:  # resident experts: every needed expert is a hit
+            need = sum(len(np.unique(r)) for r in self.last.routed)
+            self.last.experts_needed = self.last.experts_hit = need
+        self.totals += self.last
         return logits
+
+    def io_stats(self):
+        """The expert store's cumulative counters (None when experts are resident)."""
+        store = getattr(self.weights, "store", None)
+        return store.stats.snapshot() if store is not None and not store.resident else None
+
+    def heat(self) -> np.ndarray:
+        """(MoE layers, experts) tokens routed to each expert, including stored history."""
+        moes = self.model.moe_layers
+        return np.stack([m.counts for m in moes]) if moes else np.zeros((0, 0), np.int64)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of experts by tier: pinned, cached (in RAM), disk; plus the dense part."""
+        store = getattr(self.weights, "store", None)
+        tiers = store.resident_bytes() if store is not None else {"pinned": 0, "cached": self._expert_bytes, "disk": 0}
+        return {**tiers, "dense": self._dense_bytes}
+
+
+def _dense_bytes(model: DecoderLM) -> int:
+    """Bytes of every weight that is not an expert (attention, dense MLPs, norms, embeddings, head)."""
+    seen, total = set(), 0
+
+    def add(a):
+        nonlocal total
+        if a is not None and id(a) not in seen:
+            seen.add(id(a))
+            total += a.nbytes
+
+    for obj in [model, *model.layers, *(l.attn for l in model.layers), *(l.mlp for l in model.layers)]:
+        for v in vars(obj).values():
+            if isinstance(v, np.ndarray):
+                add(v)
+            elif hasattr(v, "mat"):  # Linear
+                add(v.mat.data)
+                add(v.mat.scales)
+                add(getattr(v, "bias", None))
+            elif hasattr(v, "data") and hasattr(v, "fmt"):  # QMatrix
+                add(v.data)
+                add(v.scales)
+    return total

@@ -14,7 +14,7 @@ in a fixed order: results do not depend on the thread count.
 cimport openmp
 from cython.parallel cimport parallel, prange
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 

@@ -175,13 +175,19 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                 ExpertTable table, float[:, ::1] out, float[:, ::1] xg, float[:, ::1] gbuf,
                 float[:, ::1] ubuf, float[:, ::1] ybuf, int32_t[::1] iscratch, int64_t[::1] counts,
                 int act, int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs,
-                int8_t[:, ::1] hq, float[:, ::1] hqd, int32_t[:, ::1] hqs):
+                int8_t[:, ::1] hq, float[:, ::1] hqd, int32_t[:, ::1] hqs,
+                const uint8_t[::1] active=None, bint combine=True):
     """out[m] += sum_j weights[m, j] * expert_{idx[m, j]}(x[m]), each expert a gated MLP
     down(act(gate(x)) * up(x)) with its matrices from ``table``.
 
     Tokens are grouped by expert so each expert's weights are read once for all of
     its tokens; the (expert, row block) work items of all experts are spread over the
-    threads together. counts[e] grows by the tokens routed to e.
+    threads together. With ``active`` (E,) only the marked experts are computed (their
+    table entries must be valid; the others' need not be); ``combine`` then adds the
+    weighted expert outputs of all pairs into out and grows counts[e] by the tokens
+    routed to e. Calling it once per group of experts with combine only on the last
+    call gives bit-identical results to one call: the rows of ybuf persist between
+    calls and the final sum runs in one fixed order.
     Scratch: xg, ybuf (M*k, hidden); gbuf, ubuf (M*k, inter); iscratch
     (moe_scratch_ints); for int8/int4 tables, xq/xqd/xqs and hq/hqd/hqs hold the
     quantized gathered inputs and hidden activations (see quantize_rows)."""
@@ -218,6 +224,9 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
         for j in range(k):
             if not 0 <= idx[m, j] < E:
                 raise ValueError(f"moe_experts: expert id {idx[m, j]} out of range")
+    if active is not None and active.shape[0] != E:
+        raise ValueError("moe_experts: active mask length != experts")
+    cdef const uint8_t *on = &active[0] if active is not None else NULL
     with nogil:
         memset(cnt, 0, E * sizeof(int))
         for m in range(M):
@@ -227,7 +236,8 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
         for e in range(E):
             offs[e + 1] = offs[e] + cnt[e]
             fill[e] = offs[e]
-            counts[e] += cnt[e]
+            if combine:
+                counts[e] += cnt[e]
         for m in range(M):
             for j in range(k):
                 e = idx[m, j]
@@ -235,12 +245,12 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                 memcpy(&xg[fill[e], 0], &x[m, 0], H * sizeof(float))
                 fill[e] += 1
         for e in range(E):
-            if cnt[e] > 0:
+            if cnt[e] > 0 and (on == NULL or on[e]):
                 for b in range((inter + ROW_BLOCK - 1) // ROW_BLOCK):
                     it1[n1] = e * 65536 + b
                     n1 = n1 + 1
         for e in range(E):
-            if cnt[e] > 0:
+            if cnt[e] > 0 and (on == NULL or on[e]):
                 for b in range((H + ROW_BLOCK - 1) // ROW_BLOCK):
                     it1[n1 + n2] = e * 65536 + b
                     n2 = n2 + 1
@@ -271,9 +281,11 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
             off = offs[e]
             sub = _rows(ah, off)
             coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
-        for m in prange(M, schedule='static'):
-            for j in range(k):
-                p = slot[m * k + j]
-                w = weights[m, j]
-                for c in range(H):
-                    out[m, c] += w * ybuf[p, c]
+    if not combine:
+        return
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        for j in range(k):
+            p = slot[m * k + j]
+            w = weights[m, j]
+            for c in range(H):
+                out[m, c] += w * ybuf[p, c]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from coli.cli.common import (MaxTokensOpt, ModelOpt, SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt,
-                             TopPOpt, fail, load_model, messages_for, stderr, user_errors)
+                             TopPOpt, QuantOpt, RamBudgetOpt, PinOpt, fail, load_model, load_options, messages_for, stderr, user_errors)
 
 HELP = "Commands: /clear (new conversation), /system TEXT, /help, /quit (or Ctrl-D). Ctrl-C stops an answer."
 
@@ -27,6 +27,9 @@ def chat(
     seed: SeedOpt = None,
     system: SystemOpt = None,
     threads: ThreadsOpt = None,
+    quant: QuantOpt = None,
+    ram_budget: RamBudgetOpt = None,
+    pin: PinOpt = None,
 ) -> None:
     """Chat with a model (the built-in one by default).
 
@@ -39,13 +42,13 @@ def chat(
             raise fail("stdout is not a terminal: pipe the question on stdin (echo \"hi\" | coli chat > answer.txt)")
         if not prompt.strip():
             raise fail("the prompt on stdin is empty")
-        m = load_model(model, threads)
+        m = load_model(model, threads, **load_options(quant, ram_budget, pin))
         for piece in m.generate(messages_for(prompt.strip(), system), **sampling):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return
-    _repl(load_model(model, threads), system, sampling)
+    _repl(load_model(model, threads, **load_options(quant, ram_budget, pin)), system, sampling)
 
 
 def _repl(m, system: str | None, sampling: dict) -> None:

@@ -34,6 +34,19 @@ TopPOpt = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, h
 TopKOpt = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample from the k likeliest tokens (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed that makes sampled output reproducible.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+QuantOpt = Annotated[Optional[str], typer.Option(
+    "--quant", "-q", envvar="COLI_QUANT", show_envvar=True,
+    help="Weight format: f32, bf16, int8 or int4. Default: f32 for a Hugging Face directory, the converted one's own.")]
+RamBudgetOpt = Annotated[Optional[str], typer.Option(
+    "--ram-budget", envvar="COLI_RAM_BUDGET", show_envvar=True,
+    help="RAM for experts of a converted model, e.g. 2G. Below their size, experts stream from disk. "
+         "Default: what is available.")]
+PinOpt = Annotated[Optional[str], typer.Option(
+    "--pin", help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
+
+
+def load_options(quant=None, ram_budget=None, pin=None) -> dict:
+    return {k: v for k, v in dict(quant=quant, ram_budget=ram_budget, pin=pin).items() if v is not None}
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
@@ -60,14 +73,14 @@ def user_errors(fn):
     return wrapper
 
 
-def load_model(model: str | None, threads: int | None):
+def load_model(model: str | None, threads: int | None, **options):
     """Load with a spinner on stderr when it is a terminal."""
     import coli
 
     if stderr.is_terminal:
         with stderr.status("Loading model…", spinner="dots"):
-            return coli.load(model, threads=threads)
-    return coli.load(model, threads=threads)
+            return coli.load(model, threads=threads, **options)
+    return coli.load(model, threads=threads, **options)
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict]:

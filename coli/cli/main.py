@@ -7,6 +7,7 @@ import typer
 
 import coli
 from coli.cli.chat import chat
+from coli.cli.convert import convert
 from coli.cli.run import run
 
 app = typer.Typer(
@@ -19,6 +20,7 @@ app = typer.Typer(
 )
 app.command()(run)
 app.command()(chat)
+app.command()(convert)
 
 
 def _version(value: bool) -> None:

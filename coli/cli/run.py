@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from coli.cli.common import (MaxTokensOpt, ModelOpt, SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt,
-                             TopPOpt, fail, load_model, messages_for, user_errors)
+                             TopPOpt, QuantOpt, RamBudgetOpt, PinOpt, fail, load_model, load_options, messages_for, user_errors)
 
 
 @user_errors
@@ -22,6 +22,9 @@ def run(
     system: SystemOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template.")] = False,
     threads: ThreadsOpt = None,
+    quant: QuantOpt = None,
+    ram_budget: RamBudgetOpt = None,
+    pin: PinOpt = None,
 ) -> None:
     """Answer one prompt and stream the answer to stdout.
 
@@ -35,7 +38,7 @@ def run(
         raise fail("the prompt is empty")
     if raw and system:
         raise fail("--system needs the chat template; drop --raw")
-    m = load_model(model, threads)
+    m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     request = prompt if raw else messages_for(prompt.strip(), system)
     last = ""
     for piece in m.generate(request, max_tokens=max_tokens, temperature=temperature, top_p=top_p,

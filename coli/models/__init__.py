@@ -10,12 +10,13 @@ import importlib
 
 from coli.config import ModelConfig
 from coli.errors import UnsupportedModelError
-from coli.models.base import DecoderLM, Weights
+from coli.models.base import DecoderLM
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe")
 
 
-def build_model(cfg: ModelConfig, weights: Weights) -> DecoderLM:
+def build_model(cfg: ModelConfig, weights) -> DecoderLM:
+    """``weights``: a coli.weights source (Hugging Face checkpoint or converted directory)."""
     if cfg.model_type not in SUPPORTED:
         raise UnsupportedModelError(
             f"config.json: model_type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"

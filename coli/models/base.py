@@ -13,14 +13,17 @@ caller's per-sequence caches (see ``coli.engine``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import perf_counter as clock
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from coli._engine import kernels as K
 from coli.config import ModelConfig
 from coli.errors import ModelLoadError
-from coli.quant import quantize
-from coli.weights.safetensors import Checkpoint
+
+if TYPE_CHECKING:
+    from coli.weights.source import Weights
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
@@ -57,33 +60,6 @@ class Batch:
     pos: np.ndarray  # (M,) int32
     kptr: np.ndarray  # (L, M) int64
     vptr: np.ndarray  # (L, M) int64
-
-
-class Weights:
-    """Typed access to a checkpoint's tensors with the shape config.json implies, and
-    the formats chosen for them: ``quant`` for linear layers and experts, ``head_quant``
-    for the LM head and the embedding table (routers and norms stay f32)."""
-
-    def __init__(self, ckpt: Checkpoint, quant: str = "f32", head_quant: str | None = None):
-        self.ckpt = ckpt
-        self.quant = quant
-        self.head_quant = head_quant or {"int4": "int8"}.get(quant, quant)
-
-    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
-        return quantize(self(name, rows, cols), fmt or self.quant)
-
-    def linear(self, name: str, rows: int, cols: int, bias: bool = False) -> "Linear":
-        b = self(name.removesuffix(".weight") + ".bias", rows) if bias else None
-        return Linear(self.matrix(name, rows, cols), b)
-
-    def __call__(self, name: str, *shape: int) -> np.ndarray:
-        return self.ckpt.f32(name, shape)
-
-    def opt(self, name: str, *shape: int) -> np.ndarray | None:
-        return self.ckpt.f32(name, shape) if name in self.ckpt else None
-
-    def has(self, name: str) -> bool:
-        return name in self.ckpt
 
 
 class Linear:
@@ -183,21 +159,11 @@ class MoE:
         self.E, self.k, self.inter, self.H, self.act = E, cfg.num_experts_per_tok, I, H, act
         self.renormalize = renormalize
         self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H), f32
-        self.table = K.ExpertTable(E, H, I, K.FORMATS[w.quant])
-        g, u, d = names
-        fused = w.has(f"{prefix}.{experts}.gate_up_proj")  # transformers 5 layout
-        if fused:
-            gu = w(f"{prefix}.{experts}.gate_up_proj", E, 2 * I, H)  # (E, 2I, H)
-            dn = w(f"{prefix}.{experts}.down_proj", E, H, I)  # (E, H, I)
-        for e in range(E):
-            if fused:
-                mats = (gu[e, :I], gu[e, I:], dn[e])
-            else:
-                mats = (w(f"{prefix}.{experts}.{e}.{g}.weight", I, H), w(f"{prefix}.{experts}.{e}.{u}.weight", I, H),
-                        w(f"{prefix}.{experts}.{e}.{d}.weight", H, I))
-            self.table.set(e, *(quantize(np.ascontiguousarray(m), w.quant) for m in mats))
+        self.experts = w.experts(prefix, experts, names, E, H, I, self.k)
+        self.table = self.experts.table
+        self.next: MoE | None = None  # the next MoE layer, whose experts this one prefetches
         self.kp_h, self.kp_i = K.padded(H), K.padded(I)
-        self.counts = np.zeros(E, dtype=np.int64)  # tokens routed to each expert so far (heat)
+        self.counts = self.experts.counts  # (E,) tokens routed to each expert (heat), with history if stored
         self.last = np.zeros((0, self.k), dtype=np.int32)  # experts routed in the latest step
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
@@ -207,17 +173,34 @@ class MoE:
         idx = rs.get("moe_idx", M, k, np.int32)  # (M, k)
         wts = rs.get("moe_w", M, k)  # (M, k)
         K.moe_route_softmax(logits, k, self.renormalize, idx, wts)
+        if self.next is not None and self.next.experts.streamed:
+            self._prefetch_next(x, rs)
         out[:] = 0
         n = M * k
-        K.moe_experts(x, idx, wts, self.table, out,
-                      rs.get("moe_xg", n, self.H), rs.get("moe_g", n, self.inter), rs.get("moe_u", n, self.inter),
-                      rs.get("moe_y", n, self.H),
-                      rs.get("moe_i", 1, K.moe_scratch_ints(M, k, self.E, self.inter, self.H), np.int32)[0],
-                      self.counts, self.act,
-                      rs.get("moe_xq", n, self.kp_h, np.int8), rs.get("moe_xqd", n, self.kp_h // 32),
-                      rs.get("moe_xqs", n, self.kp_h // 32, np.int32), rs.get("moe_hq", n, self.kp_i, np.int8),
-                      rs.get("moe_hqd", n, self.kp_i // 32), rs.get("moe_hqs", n, self.kp_i // 32, np.int32))
+        bufs = (rs.get("moe_xg", n, self.H), rs.get("moe_g", n, self.inter), rs.get("moe_u", n, self.inter),
+                rs.get("moe_y", n, self.H),
+                rs.get("moe_i", 1, K.moe_scratch_ints(M, k, self.E, self.inter, self.H), np.int32)[0],
+                self.counts, self.act,
+                rs.get("moe_xq", n, self.kp_h, np.int8), rs.get("moe_xqd", n, self.kp_h // 32),
+                rs.get("moe_xqs", n, self.kp_h // 32, np.int32), rs.get("moe_hq", n, self.kp_i, np.int8),
+                rs.get("moe_hqd", n, self.kp_i // 32), rs.get("moe_hqs", n, self.kp_i // 32, np.int32))
+        # Experts not resident are read in groups that fit the cache; each group is computed
+        # before the next is read, and the weighted sum runs once at the end (same bits).
+        groups = self.experts.groups(idx)
+        for i, active in enumerate(groups):
+            self.experts.load(active)
+            K.moe_experts(x, idx, wts, self.table, out, *bufs, active=active, combine=i == len(groups) - 1)
         self.last = idx.copy()
+
+    def _prefetch_next(self, x: np.ndarray, rs: RunState) -> None:
+        """Guess the next MoE layer's experts from this layer's input and start reading them."""
+        nxt = self.next
+        logits = rs.get("router_next", len(x), nxt.E)  # (M, E')
+        K.linear(x, nxt.router, logits)
+        idx = rs.get("moe_idx_next", len(x), nxt.k, np.int32)
+        wts = rs.get("moe_w_next", len(x), nxt.k)
+        K.moe_route_softmax(logits, nxt.k, nxt.renormalize, idx, wts)
+        nxt.experts.prefetch(idx)
 
 
 @dataclass
@@ -241,6 +224,10 @@ class DecoderLM:
         else:
             self.lm_head = Linear(w.matrix("lm_head.weight", V, H, w.head_quant))  # (V, H)
         self.layers = layers
+        self.phases = dict.fromkeys(("attention", "moe", "mlp", "lm_head"), 0.0)  # cumulative seconds
+        moes = self.moe_layers
+        for a, b in zip(moes, moes[1:]):
+            a.next = b
         self.eps = cfg.rms_norm_eps
         self.embed_scale = 1.0
         self.unit_offset_norm = False
@@ -255,20 +242,27 @@ class DecoderLM:
         x = rs.get("x", M, H)  # (M, H) residual stream
         h = rs.get("h", M, H)  # (M, H) normed input of a block
         o = rs.get("o", M, H)  # (M, H) block output
+        ph = self.phases
         K.embed_rows(batch.ids, self.embed, x, self.embed_scale)
         for i, layer in enumerate(self.layers):
+            t0 = clock()
             K.rmsnorm(x, layer.input_norm, self.eps, h, self.unit_offset_norm)
             layer.attn(h, batch, i, rs, o)
             x += o
+            t1 = clock()
             K.rmsnorm(x, layer.post_norm, self.eps, h, self.unit_offset_norm)
             layer.mlp(h, rs, o)
             x += o
+            ph["attention"] += t1 - t0
+            ph["moe" if isinstance(layer.mlp, MoE) else "mlp"] += clock() - t1
+        t0 = clock()
         R = len(logit_rows)
         hr = rs.get("h_last", R, H)  # (R, H)
         np.take(x, logit_rows, axis=0, out=hr)
         K.rmsnorm(hr, self.norm, self.eps, hr, self.unit_offset_norm)
         logits = rs.get("logits", R, self.cfg.vocab_size)  # (R, V), valid until the next step
         self.lm_head(hr, logits, rs)
+        ph["lm_head"] += clock() - t0
         return logits
 
 

@@ -1,0 +1,107 @@
+"""`coli convert`: a Hugging Face directory -> a converted coli directory.
+
+The model is built once through ``RecordingWeights``, which quantizes every tensor the
+architecture asks for and appends it to the output files as it goes, so the converted
+directory holds exactly what loading needs, in the format it needs. Output is written
+under a temporary name beside the destination and renamed at the end: an interrupted
+conversion leaves no directory that loads.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from coli.config import ModelConfig
+from coli.errors import InvalidRequestError
+from coli.quant import check_format, quantize
+from coli.weights.converted import CARRIED_FILES, ConvertedWriter, is_converted, source_fingerprint
+from coli.weights.safetensors import Checkpoint
+from coli.weights.source import HFWeights, default_head_quant
+
+
+class _NoExperts:
+    """What the recorded model holds instead of experts (they went to experts.bin)."""
+
+    streamed = False
+    table = None
+
+    def __init__(self, E: int):
+        self.counts = np.zeros(E, dtype=np.int64)
+
+
+class RecordingWeights(HFWeights):
+    """HFWeights that writes every tensor it hands out into a ConvertedWriter."""
+
+    def __init__(self, ckpt: Checkpoint, quant: str, head_quant: str, writer: ConvertedWriter, progress=None):
+        super().__init__(ckpt, quant, head_quant)
+        self.writer, self.progress = writer, progress
+
+    def _tick(self, n: int = 1) -> None:
+        if self.progress is not None:
+            self.progress(n)
+
+    def __call__(self, name, *shape):
+        arr = super().__call__(name, *shape)
+        self.writer.add_f32(name, arr)
+        self._tick()
+        return arr
+
+    def matrix(self, name, rows, cols, fmt=None):
+        m = super().matrix(name, rows, cols, fmt)
+        self.writer.add_matrix(name, m)
+        self._tick()
+        return m
+
+    def experts(self, prefix, sub, names, E, H, I, k):
+        mats = []
+        for tensors in self.expert_tensors(prefix, sub, names, E, H, I):
+            mats.append(tuple(quantize(np.ascontiguousarray(t), self.quant) for t in tensors))
+            self._tick(3)
+        self.writer.add_experts(prefix, mats)
+        return _NoExperts(E)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4", *, head_quant: str | None = None,
+            force: bool = False, progress=None) -> Path:
+    """Convert ``src`` (a Hugging Face directory) into ``dst``; returns dst.
+
+    ``progress(n_tensors)`` is called as tensors are written (total: ``count_tensors``)."""
+    from coli.models import build_model
+
+    src, dst = Path(src), Path(dst)
+    check_format(quant)
+    head_quant = check_format(head_quant or default_head_quant(quant))
+    if is_converted(src):
+        raise InvalidRequestError(f"{src}: already a converted coli directory")
+    cfg = ModelConfig.from_dir(src)
+    ckpt = Checkpoint(src)
+    if dst.exists() and not force:
+        raise InvalidRequestError(f"{dst}: already exists; pass --force to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        writer = ConvertedWriter(tmp, quant, head_quant)
+        build_model(cfg, RecordingWeights(ckpt, quant, head_quant, writer, progress))
+        for name in CARRIED_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        writer.finish(source_fingerprint(src), cfg.model_type)
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            dst.rename(old)
+            tmp.rename(dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def count_tensors(src: str | os.PathLike) -> int:
+    return len(Checkpoint(src).names())

@@ -1,0 +1,114 @@
+"""Where a model's weights come from, and in which format they are used.
+
+The architecture files ask a ``Weights`` source for what they need — f32 tensors
+(norms, routers, biases), matrices in the chosen format, and the experts of a MoE
+layer — and never learn whether the answer was quantized from a Hugging Face
+checkpoint at load time (``HFWeights``), mapped from a converted directory
+(``coli.weights.converted.ConvertedWeights``), or written out by ``coli convert``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from coli._engine import kernels as K
+from coli.quant import check_format, quantize
+from coli.weights.safetensors import Checkpoint
+
+
+def default_head_quant(quant: str) -> str:
+    """LM head and embeddings: int8 under int4 (the head is the most quantization-sensitive matrix)."""
+    return {"int4": "int8"}.get(quant, quant)
+
+
+class ResidentExperts:
+    """Every expert of a layer in memory: nothing to read, one group covering all."""
+
+    streamed = False
+
+    def __init__(self, table: K.ExpertTable):
+        self.table = table
+        self.counts = np.zeros(table.n_experts, dtype=np.int64)  # tokens routed to each expert
+
+    def groups(self, idx: np.ndarray) -> list[None]:
+        return [None]
+
+    def load(self, active) -> None:
+        pass
+
+    def prefetch(self, idx: np.ndarray) -> None:
+        pass
+
+
+class Weights:
+    """The interface architectures build from (see HFWeights for the reference implementation)."""
+
+    quant: str
+    head_quant: str
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
+        raise NotImplementedError
+
+    def experts(self, prefix: str, sub: str, names: tuple[str, str, str], E: int, H: int, I: int, k: int):
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once the whole model is built."""
+
+    def flush(self) -> None:
+        """Persist what was learned while running (routing history)."""
+
+    def close(self) -> None:
+        """Release files and threads."""
+
+    def linear(self, name: str, rows: int, cols: int, bias: bool = False):
+        from coli.models.base import Linear
+
+        b = self(name.removesuffix(".weight") + ".bias", rows) if bias else None
+        return Linear(self.matrix(name, rows, cols), b)
+
+
+class HFWeights(Weights):
+    """A Hugging Face checkpoint, quantized to ``quant`` as it loads."""
+
+    def __init__(self, ckpt: Checkpoint, quant: str = "f32", head_quant: str | None = None):
+        self.ckpt = ckpt
+        self.quant = check_format(quant)
+        self.head_quant = check_format(head_quant or default_head_quant(quant))
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        return self.ckpt.f32(name, shape)
+
+    def has(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
+        return quantize(self.ckpt.f32(name, (rows, cols)), fmt or self.quant)
+
+    def expert_tensors(self, prefix: str, sub: str, names, E: int, H: int, I: int) -> Iterator[tuple]:
+        """(gate (I, H), up (I, H), down (H, I)) float32 for each expert, from per-expert
+        tensors or transformers 5's fused gate_up_proj / down_proj."""
+        g, u, d = names
+        if self.has(f"{prefix}.{sub}.gate_up_proj"):
+            gu = self.ckpt.f32(f"{prefix}.{sub}.gate_up_proj", (E, 2 * I, H))  # (E, 2I, H)
+            dn = self.ckpt.f32(f"{prefix}.{sub}.down_proj", (E, H, I))  # (E, H, I)
+            for e in range(E):
+                yield gu[e, :I], gu[e, I:], dn[e]
+        else:
+            f = self.ckpt.f32
+            for e in range(E):
+                yield (f(f"{prefix}.{sub}.{e}.{g}.weight", (I, H)), f(f"{prefix}.{sub}.{e}.{u}.weight", (I, H)),
+                       f(f"{prefix}.{sub}.{e}.{d}.weight", (H, I)))
+
+    def experts(self, prefix, sub, names, E, H, I, k) -> ResidentExperts:
+        table = K.ExpertTable(E, H, I, K.FORMATS[self.quant])
+        for e, mats in enumerate(self.expert_tensors(prefix, sub, names, E, H, I)):
+            table.set(e, *(quantize(np.ascontiguousarray(m), self.quant) for m in mats))
+        return ResidentExperts(table)
