@@ -21,6 +21,7 @@ app = typer.Typer(
 app.command()(run)
 app.command()(chat)
 app.command()(convert)
+app.add_typer(__import__("coli.cli.kv", fromlist=["app"]).app, name="kv")  # `coli kv inspect`
 
 
 def _version(value: bool) -> None:

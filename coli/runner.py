@@ -1,0 +1,325 @@
+"""The runner: one scheduler driving one engine from a background thread.
+
+    runner = Runner(coli.load(path), kv_slots=4)
+    handle = runner.submit(model.prompt_ids(messages), max_tokens=128, cache_slot=1)
+    async for event in handle:          # or: for event in handle  /  handle.result()
+        ...                             # Started, TextDelta..., Profile, Usage, Finished | Error
+    handle.cancel()                     # from anywhere: the slot is free within one step
+    runner.close()
+
+Each loop turn is ``schedule() -> engine.step -> sample, detokenize, stop strings
+-> update_from_output``. The runner owns the KV caches (one per slot), restores
+them from disk at start and saves a slot whenever a request releases it. Front
+ends render prompts to token ids themselves (``Model.prompt_ids``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coli.engine import Engine, KVCache
+from coli.errors import InvalidRequestError
+from coli.kv.format import Layout
+from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_format
+from coli.metrics import SchedulerMetrics
+from coli.sampling import Sampler, SamplingParams
+from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
+from coli.scheduler.events import Error, Finished, Profile, Routing, Started, TextDelta, Usage
+from coli.scheduler.stream import RequestHandle
+from coli.stops import StopMatcher
+from coli.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("coli")
+KV_MEMORY_FRACTION = 0.5  # of the memory available at start that the KV slots may fill
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    probe = engine.new_cache(1)
+    return (probe.k.shape[0] * (probe.k.shape[2] + probe.v.shape[2])) * probe.k.itemsize
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_context(engine: Engine, kv_slots: int, requested: int | None = None,
+                 available: int | None = None) -> tuple[int, str]:
+    """The context per slot and a sentence saying why: ``requested`` (--ctx) or the
+    model's, at most the model's, and by default at most what KV_MEMORY_FRACTION of
+    the available memory holds for every slot at once."""
+    model_max = engine.max_context
+    per_token = kv_bytes_per_token(engine)
+    available = available_memory() if available is None else available
+    fits = None if available is None else max(2, int(available * KV_MEMORY_FRACTION) // (per_token * kv_slots))
+    if requested is not None:
+        if requested < 2:
+            raise InvalidRequestError(f"--ctx must be at least 2 tokens, got {requested}")
+        ctx, why = min(requested, model_max), "as asked (--ctx)"
+        if requested > model_max:
+            why = f"--ctx {requested} is more than the model's {model_max}"
+        elif fits is not None and requested > fits:
+            why = f"as asked (--ctx); warning: {kv_slots} slot(s) of it may not fit in memory (about {fits} would)"
+    elif fits is not None and fits < model_max:
+        budget = _gib(available * KV_MEMORY_FRACTION)
+        ctx, why = fits, f"the model's {model_max} capped to what {budget} of memory holds"
+    else:
+        ctx, why = model_max, "the model's"
+    note = (f"context: {ctx} tokens per KV slot, {why}; {kv_slots} slot(s) use up to "
+            f"{_gib(ctx * per_token * kv_slots)} ({per_token} bytes per token)")
+    return ctx, note
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+# the engine's StepStats attribute -> the Profile field it adds to (where the engine measures it)
+PHASES = {"attention": "attention_seconds", "expert_matmul": "expert_matmul_seconds",
+          "dense_mlp": "dense_mlp_seconds", "lm_head": "lm_head_seconds", "io_wait": "io_wait_seconds",
+          "disk": "disk_seconds", "experts_needed": "experts_needed", "experts_hit": "experts_hit",
+          "bytes_read": "bytes_read"}
+
+
+@dataclass(eq=False)
+class _Generation:
+    """The runner's side of one request (``Request.payload``)."""
+
+    handle: RequestHandle
+    sampler: Sampler
+    stops: StopMatcher
+    detok: IncrementalDetokenizer
+    routing: bool
+    generated: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES.values(), 0))
+
+
+class Runner:
+    """A model served by one scheduler; see the module docstring.
+
+    ``kv_slots``, ``max_queue``, ``queue_timeout``: None reads COLI_KV_SLOTS,
+    COLI_MAX_QUEUE, COLI_QUEUE_TIMEOUT, then the defaults (1, 8, 300 s). ``ctx``:
+    None is the model's context capped to memory (see ``plan_context``).
+    ``persist``: save and restore slots in ``kv_dir`` (default: see
+    ``coli.kv.store``). ``notice(text)`` receives the start-up lines (the context
+    chosen, KV files ignored); by default they go to the ``coli`` logger."""
+
+    def __init__(self, model, *, kv_slots: int | None = None, max_queue: int | None = None,
+                 queue_timeout: float | None = None, ctx: int | None = None, prefill_chunk: int = 256,
+                 kv_dir: str | Path | None = None, persist: bool = True, metrics: SchedulerMetrics | None = None,
+                 notice: Callable[[str], None] | None = None):
+        self.model, self.engine, self.tokenizer = model, model.engine, model.tokenizer
+        self.notice = notice or log.info
+        base = SchedulerConfig.from_env(kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout)
+        self.ctx, self.context_note = plan_context(self.engine, base.kv_slots, ctx)
+        self.notice(self.context_note)
+        self.config = SchedulerConfig(kv_slots=base.kv_slots, max_queue=base.max_queue,
+                                      queue_timeout=base.queue_timeout, ctx=self.ctx, prefill_chunk=prefill_chunk)
+        self.caches: list[KVCache] = [self.engine.new_cache() for _ in range(self.config.kv_slots)]
+        self.store = self._open_store(kv_dir) if persist else None
+        histories = self._restore()
+        self.metrics = metrics or SchedulerMetrics()
+        self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
+        self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
+        self._thread.start()
+
+    # -- the front-end API -----------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+               stop: str | Sequence[str] | None = None, cache_slot: int | None = None, routing: bool = False,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a generation for prompt token ids; returns its handle at once.
+
+        Raises (before any event) InvalidRequestError for bad input,
+        ContextLengthExceededError, QueueFullError or SchedulerClosedError.
+        ``sampling`` defaults to the model's generation_config.json (greedy unless it
+        samples); ``routing`` adds a Routing event per step with the experts chosen."""
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
+        if sampling is None:
+            d = self.model.generation_defaults
+            sampling = SamplingParams(temperature=d.get("temperature", 0.0), top_p=d.get("top_p", 1.0),
+                                      top_k=d.get("top_k", 0))
+        sampling.validate()
+        req = Request(ids, int(max_tokens), cache_slot)
+        if request_id is not None:
+            req.request_id = request_id
+        handle = RequestHandle(req, self.scheduler.cancel)
+        req.payload = _Generation(handle, Sampler(sampling), StopMatcher(stop), IncrementalDetokenizer(self.tokenizer),
+                                  routing)
+        self.scheduler.add_request(req)
+        return handle
+
+    def generate(self, prompt: Sequence[int], **kwargs) -> Iterator[str]:
+        """Blocking text pieces of one request (``submit``'s arguments); raises its error."""
+        handle = self.submit(prompt, **kwargs)
+        try:
+            for ev in handle:
+                if isinstance(ev, TextDelta):
+                    yield ev.text
+                elif isinstance(ev, Error):
+                    raise ev.exception()
+        finally:
+            handle.cancel()  # a no-op once it finished; frees the slot if the reader left early
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Cancel what runs or waits, stop the engine thread, write pending KV state."""
+        self.scheduler.close()
+        self._thread.join(timeout)
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def _open_store(self, kv_dir) -> KVStore | None:
+        path = getattr(self.model, "path", None)
+        if path is None:
+            return None
+        fingerprint = model_fingerprint(path)
+        probe = self.engine.new_cache(1)
+        layout = Layout(fingerprint, probe.k.shape[0], probe.k.shape[2], probe.v.shape[2], str(probe.k.dtype),
+                        weight_format(self.model))
+        directory = Path(kv_dir) if kv_dir is not None else default_state_dir(path, fingerprint)
+        store = KVStore(directory, layout, model_path=str(Path(path).resolve()), notice=self.notice)
+        return store if store.enabled else None
+
+    def _restore(self) -> dict[int, list[int]]:
+        histories = {}
+        if self.store is None:
+            return histories
+        for i, cache in enumerate(self.caches):
+            state = self.store.restore(i)
+            if state is None or not state.tokens:
+                continue
+            n = min(len(state.tokens), self.ctx)
+            cache.reserve(n)
+            cache.k[:, :n] = state.k[:, :n]
+            cache.v[:, :n] = state.v[:, :n]
+            cache.tokens = state.tokens[:n]
+            histories[i] = cache.tokens
+        return histories
+
+    def _save(self, ended: list[Request]) -> None:
+        if self.store is None:
+            return
+        for i in sorted({r.slot for r in ended if r.slot is not None}):
+            tokens = self.scheduler.slot_history(i)
+            cache, n = self.caches[i], len(tokens)
+            if cache.tokens[:n] != tokens:  # never save KV that does not belong to the tokens
+                self.notice(f"not saving KV slot {i}: its cache and history disagree")
+                continue
+            self.store.save(i, tokens, cache.k[:, :n].copy(), cache.v[:, :n].copy())
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        try:
+            while True:
+                plan = sched.schedule()
+                if not plan:
+                    if sched.closed:
+                        return
+                    sched.wait_for_work(timeout=1.0)
+                    continue
+                try:
+                    ended = self._step(plan)
+                except Exception as e:  # the engine failed: the requests of this step fail, others go on
+                    log.exception("engine step failed")
+                    ended = sched.fail_step(plan, f"{type(e).__name__}: {e}")
+                self._save(ended)
+        except BaseException as e:  # a bug in the loop itself: no request may wait forever
+            log.exception("the runner stopped")
+            sched.abort(f"the runner stopped: {type(e).__name__}: {e}")
+
+    def _step(self, plan: StepPlan) -> list[Request]:
+        entries = []
+        for s in plan.seqs:
+            cache = self.caches[s.slot]
+            if len(cache) < s.start:
+                raise RuntimeError(f"slot {s.slot}: the cache holds {len(cache)} tokens, the plan needs {s.start}")
+            cache.truncate(s.start)
+            entries.append((cache, s.tokens))
+        t0 = time.perf_counter()
+        logits = self.engine.step(entries)  # (len(entries), vocab)
+        seconds = time.perf_counter() - t0
+        stats = self.engine.last
+        routed = stats.routed
+        phases = {field_: getattr(stats, attr, 0) for attr, field_ in PHASES.items()}
+        outputs, row = {}, 0
+        for i, s in enumerate(plan.seqs):
+            req, g = s.request, s.request.payload
+            g.steps += 1
+            for k, x in phases.items():
+                g.phases[k] += x
+            if req.prefilling:
+                g.prefill_seconds += seconds
+                g.prefill_tokens += len(s.tokens)
+            else:
+                g.decode_seconds += seconds
+                g.decode_tokens += len(s.tokens)
+            if g.routing and routed:
+                experts = tuple(tuple(tuple(int(e) for e in r) for r in layer[row: row + len(s.tokens)])
+                                for layer in routed)
+                g.handle.put(Routing(plan.step, experts))
+            row += len(s.tokens)
+            if s.sample and not req.cancel_requested:
+                outputs[req.request_id] = self._sample(req, logits[i])
+        return self.scheduler.update_from_output(plan, outputs)
+
+    def _sample(self, req: Request, logits) -> SeqOutput:
+        g = req.payload
+        try:
+            tok = g.sampler.sample(logits, g.generated)
+        except Exception as e:
+            return SeqOutput(error=f"sampling failed: {e}")
+        if tok in self.model.eos_ids:
+            return SeqOutput(None, "stop")
+        g.generated.append(tok)
+        text, stopped = g.stops.push(g.detok.push(tok))
+        if text:
+            g.handle.put(TextDelta(text))
+            self.scheduler.note_first_output(req)
+        return SeqOutput(tok, "stop" if stopped else None)
+
+    def _on_change(self, req: Request) -> None:
+        """The scheduler admitted or ended ``req`` (called under its lock)."""
+        g: _Generation = req.payload
+        put = g.handle.put
+        if req.status is Status.RUNNING:
+            put(Started(req.slot, len(req.prompt), req.cached_tokens, req.queue_wait, req.max_tokens))
+        elif req.status is Status.COMPLETED:
+            text, _ = g.stops.push(g.detok.flush())
+            tail = text + g.stops.flush()
+            if tail:
+                put(TextDelta(tail))
+                self.scheduler.note_first_output(req)
+            put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases))
+            put(Usage(len(req.prompt), req.generated, req.cached_tokens, req.queue_wait))
+            put(Finished(req.finish_reason))
+        elif req.error is not None:
+            put(Error(req.error.code, str(req.error)))

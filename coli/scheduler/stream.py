@@ -1,0 +1,124 @@
+"""A request's event stream, read from asyncio or from plain threads.
+
+The engine thread puts events; a front end reads them with ``async for ev in
+handle`` (aiohttp, Textual workers) or ``for ev in handle`` (pipes, tests). The
+stream ends after its ``Finished`` or ``Error`` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from coli.scheduler.core import Request
+from coli.scheduler.events import Error, Event, Finished, SchedulerError, Started, TextDelta, Usage
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole answer, as ``RequestHandle.result`` gathers it."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    started: Started
+
+
+class RequestHandle:
+    """What ``Runner.submit`` returns: the request's events, and ``cancel()``."""
+
+    def __init__(self, request: Request, cancel: Callable[[Request], bool]):
+        self.request = request
+        self._cancel = cancel
+        self._items: deque[Event] = deque()
+        self._cond = threading.Condition()
+        self._ended = False  # the terminal event was put
+        self._done = False  # ... and read
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def cancel(self) -> bool:
+        """Stop the request; its slot is free within one engine step. Thread-safe."""
+        return self._cancel(self.request)
+
+    # -- the engine side -------------------------------------------------------------------------
+
+    def put(self, event: Event) -> None:
+        with self._cond:
+            if self._ended:
+                return
+            self._items.append(event)
+            self._ended = isinstance(event, (Finished, Error))
+            self._cond.notify_all()
+            loop, ready = self._loop, self._ready
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the reader's loop has closed
+                pass
+
+    # -- the reading side ------------------------------------------------------------------------
+
+    def _pop(self) -> Event | None:
+        ev = self._items.popleft()
+        if isinstance(ev, (Finished, Error)):
+            self._done = True
+        return ev
+
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Blocking iterator; raises TimeoutError when no event comes for ``timeout`` seconds."""
+        while True:
+            with self._cond:
+                if self._done:
+                    return
+                if not self._cond.wait_for(lambda: self._items, timeout):
+                    raise TimeoutError(f"no event for request {self.request_id} in {timeout} s")
+                ev = self._pop()
+            yield ev
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Event:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    return self._pop()
+                if self._done:
+                    raise StopAsyncIteration
+                if self._loop is not loop:
+                    self._loop, self._ready = loop, asyncio.Event()
+                self._ready.clear()
+                ready = self._ready
+            await ready.wait()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the whole answer; raises the request's SchedulerError (queue_timeout,
+        cancelled, engine_error) or TimeoutError when ``timeout`` seconds pass."""
+        end = None if timeout is None else time.monotonic() + timeout
+        text, usage, started = [], None, None
+        for ev in self.events(timeout):
+            if isinstance(ev, TextDelta):
+                text.append(ev.text)
+            elif isinstance(ev, Usage):
+                usage = ev
+            elif isinstance(ev, Started):
+                started = ev
+            elif isinstance(ev, Error):
+                raise ev.exception()
+            elif isinstance(ev, Finished):
+                return Completion("".join(text), ev.finish_reason, usage, started)
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+        raise SchedulerError("the stream ended without a Finished event")

@@ -1,0 +1,235 @@
+"""The runner on a tiny real model: batched greedy equals sequential, prefix reuse
+changes nothing but the work, cancellation frees the slot within one step, events
+arrive in order through both the blocking and the asyncio interfaces."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import coli
+from coli.runner import Runner, plan_context
+from coli.sampling import SamplingParams
+from coli.scheduler import (ContextLengthExceededError, Error, Finished, Profile, QueueFullError, Routing,
+                            SchedulerClosedError, Started, TextDelta, Usage)
+
+WAIT = 120  # seconds: a bound that only a hang reaches
+
+
+@pytest.fixture(scope="module")
+def model(hf_models):
+    return coli.load(hf_models("qwen3_moe"), threads=1)
+
+
+@pytest.fixture
+def runner(model):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("persist", False)
+        r = Runner(model, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def ids(model, text: str) -> list[int]:
+    return model.tokenizer.encode(text)
+
+
+PROMPTS = ["w3 w17 w42 w99 w5 w8", "w1 w2 w3", "w150 w7 w7 w7 w7 w9 w12 w60 w61 w62 w63", "w88"]
+
+
+def alone(model, prompt: list[int], max_tokens: int) -> str:
+    """The reference: Model.generate's own loop, one sequence, greedy."""
+    return "".join(model.generate(model.tokenizer.decode(prompt), raw=True, max_tokens=max_tokens, temperature=0))
+
+
+def test_concurrent_greedy_requests_batched_equal_sequential_runs(model, runner):
+    r = runner(kv_slots=4)
+    greedy = SamplingParams(temperature=0)
+    prompts = [ids(model, p) for p in PROMPTS]
+    with r.scheduler.paused():  # all four are admitted before the first step is planned
+        handles = [r.submit(p, max_tokens=24, sampling=greedy, routing=True) for p in prompts]
+    streams = [list(h.events(WAIT)) for h in handles]
+    steps = [[e.step for e in evs if isinstance(e, Routing)] for evs in streams]
+    assert len({s[0] for s in steps}) == 1  # they started in one step ...
+    assert len({len(s) for s in steps}) == 1 and all(s == steps[0] for s in steps)  # ... and ran in the same steps
+    assert len({next(e.slot for e in evs if isinstance(e, Started)) for evs in streams}) == 4
+    for p, evs in zip(prompts, streams):
+        assert isinstance(evs[-1], Finished)
+        text = "".join(e.text for e in evs if isinstance(e, TextDelta))
+        assert text == alone(model, p, 24)
+
+
+def test_requests_share_steps(model, runner):
+    """While one request decodes, another's prompt is prefilled in the same steps."""
+    r = runner(kv_slots=2, prefill_chunk=4)
+    greedy = SamplingParams(temperature=0)
+    long_prompt = ids(model, " ".join(f"w{i}" for i in range(10, 40)))
+    first = r.submit(ids(model, "w1 w2"), max_tokens=40, sampling=greedy, routing=True)
+    events = first.events(WAIT)
+    assert isinstance(next(events), Started)
+    second = r.submit(long_prompt, max_tokens=3, sampling=greedy, routing=True)
+    steps_of = lambda h: [ev.step for ev in h.events(WAIT) if isinstance(ev, Routing)]
+    second_steps = steps_of(second)
+    first_steps = [ev.step for ev in events if isinstance(ev, Routing)]
+    shared = set(first_steps) & set(second_steps)
+    assert len(shared) >= 2, (first_steps, second_steps)  # 30 prompt tokens in chunks of 4 overlap decoding
+    assert r.scheduler.snapshot()["completed"] == 2
+
+
+def test_second_turn_reuses_the_prefix_and_matches_a_cold_run(model, runner):
+    r = runner(kv_slots=1)
+    greedy = SamplingParams(temperature=0)
+    turn1 = ids(model, PROMPTS[0])
+    a = r.submit(turn1, max_tokens=8, sampling=greedy).result(timeout=WAIT)
+    assert a.usage.cached_tokens == 0
+    turn2 = turn1 + ids(model, a.text) + ids(model, "w11 w12")
+    b = r.submit(turn2, max_tokens=8, sampling=greedy).result(timeout=WAIT)
+    assert b.usage.cached_tokens == len(turn1) + 7  # the prompt and all but the last generated token
+    assert b.started.cached_tokens == b.usage.cached_tokens
+    assert b.text == alone(model, turn2, 8)
+    assert r.metrics.value("colibri_scheduler_cached_tokens_total") == b.usage.cached_tokens
+
+
+def test_a_diverging_prompt_truncates_the_slot(model, runner):
+    r = runner(kv_slots=1)
+    greedy = SamplingParams(temperature=0)
+    base = ids(model, "w5 w6 w7 w8 w9 w10")
+    r.submit(base, max_tokens=4, sampling=greedy).result(timeout=WAIT)
+    other = base[:3] + ids(model, "w100 w101")
+    res = r.submit(other, max_tokens=6, sampling=greedy).result(timeout=WAIT)
+    assert res.usage.cached_tokens == 3
+    assert res.text == alone(model, other, 6)
+
+
+def test_cancellation_frees_the_slot_within_one_step(model, runner):
+    r = runner(kv_slots=1, max_queue=1)
+    greedy = SamplingParams(temperature=0)
+    long = r.submit(ids(model, "w1 w2 w3"), max_tokens=200, sampling=greedy)
+    waiting = r.submit(ids(model, "w4 w5"), max_tokens=2, sampling=greedy)
+    for ev in long.events(WAIT):
+        if isinstance(ev, TextDelta):
+            assert long.cancel()
+            break
+    rest = list(long.events(WAIT))
+    assert isinstance(rest[-1], Error) and rest[-1].code == "cancelled"
+    req = long.request
+    assert req.release_step - req.cancel_step <= 1
+    done = waiting.result(timeout=WAIT)
+    assert done.finish_reason == "length"
+    assert r.metrics.value("colibri_scheduler_cancelled_total") == 1
+
+
+def test_event_order_and_usage(model, runner):
+    r = runner()
+    h = r.submit(ids(model, PROMPTS[0]), max_tokens=5, sampling=SamplingParams(temperature=0))
+    evs = list(h.events(WAIT))
+    kinds = [type(e) for e in evs]
+    assert kinds[0] is Started and kinds[-3:] == [Profile, Usage, Finished]
+    assert set(kinds[1:-3]) == {TextDelta}
+    usage = evs[-2]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (6, 5) and evs[-1].finish_reason == "length"
+    prof = evs[-3]
+    assert prof.prefill_tokens == 6 and prof.decode_tokens == 4 and prof.steps == 5
+    assert r.metrics.value("colibri_scheduler_first_output_seconds_count") == 1
+
+
+def test_stop_strings_end_the_answer(model, runner):
+    r = runner()
+    greedy = SamplingParams(temperature=0)
+    prompt = ids(model, PROMPTS[0])
+    full = r.submit(prompt, max_tokens=12, sampling=greedy).result(timeout=WAIT).text
+    stop = " " + full.split()[4]
+    got = r.submit(prompt, max_tokens=12, sampling=greedy, stop=[stop]).result(timeout=WAIT)
+    assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_under_batching(model, runner):
+    r = runner(kv_slots=3)
+    params = SamplingParams(temperature=1.0, seed=5)
+    prompt = ids(model, PROMPTS[2])
+    hs = [r.submit(prompt, max_tokens=16, sampling=params) for _ in range(3)]
+    texts = {h.result(timeout=WAIT).text for h in hs}
+    assert len(texts) == 1
+
+
+def test_refusals_are_raised_at_submit(model, runner):
+    r = runner(kv_slots=1, max_queue=0, ctx=16)
+    with pytest.raises(ContextLengthExceededError):
+        r.submit(list(range(1, 17)))
+    h = r.submit(ids(model, "w1 w2"), max_tokens=100, sampling=SamplingParams(temperature=0))
+    assert next(h.events(WAIT)).max_tokens == 14  # clamped to the context
+    with pytest.raises(QueueFullError):
+        r.submit(ids(model, "w3"), cache_slot=0)
+    h.cancel()
+
+
+def test_asyncio_stream(model, runner):
+    r = runner(kv_slots=2)
+
+    async def main():
+        async def one(text):
+            h = r.submit(ids(model, text), max_tokens=6, sampling=SamplingParams(temperature=0))
+            return [ev async for ev in h]
+
+        return await asyncio.wait_for(asyncio.gather(one(PROMPTS[0]), one(PROMPTS[1])), WAIT)
+
+    for prompt, evs in zip(PROMPTS, asyncio.run(main())):
+        assert isinstance(evs[-1], Finished)
+        assert "".join(e.text for e in evs if isinstance(e, TextDelta)) == alone(model, ids(model, prompt), 6)
+
+
+def test_blocking_generate_helper(model, runner):
+    r = runner()
+    text = "".join(r.generate(ids(model, PROMPTS[1]), max_tokens=7, sampling=SamplingParams(temperature=0)))
+    assert text == alone(model, ids(model, PROMPTS[1]), 7)
+    assert r.scheduler.idle()
+
+
+def test_context_is_capped_to_memory(model):
+    per_slot = 100 * 768  # 100 tokens of this model's KV
+    ctx, note = plan_context(model.engine, 2, available=4 * per_slot)  # half of it for two slots
+    assert ctx == 100 and "capped" in note
+    ctx, note = plan_context(model.engine, 2, available=10**12)
+    assert ctx == model.config.max_position_embeddings and "model's" in note
+    ctx, note = plan_context(model.engine, 1, requested=10**6, available=10**12)
+    assert ctx == model.config.max_position_embeddings and "more than the model's" in note
+
+
+def test_engine_failure_fails_the_step_and_the_runner_goes_on(model, runner, monkeypatch):
+    r = runner()
+    real = r.engine.step
+    calls = []
+
+    def flaky(entries, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(entries, **kw)
+
+    monkeypatch.setattr(r.engine, "step", flaky)
+    h = r.submit(ids(model, PROMPTS[0]), max_tokens=5, sampling=SamplingParams(temperature=0))
+    last = list(h.events(WAIT))[-1]
+    assert isinstance(last, Error) and last.code == "engine_error" and "out of memory" in last.message
+    assert r.metrics.value("colibri_scheduler_failed_total") == 1
+    again = r.submit(ids(model, PROMPTS[0]), max_tokens=5, sampling=SamplingParams(temperature=0))
+    assert again.result(timeout=WAIT).text == alone(model, ids(model, PROMPTS[0]), 5)
+
+
+def test_a_broken_loop_ends_every_request(model, runner, monkeypatch):
+    r = runner(kv_slots=1)
+    monkeypatch.setattr(r, "_save", lambda ended: 1 / 0 if ended else None)
+    waiting = []
+    with r.scheduler.paused():
+        a = r.submit(ids(model, "w1"), max_tokens=2, sampling=SamplingParams(temperature=0))
+        waiting.append(r.submit(ids(model, "w2"), max_tokens=2))
+    assert isinstance(list(a.events(WAIT))[-1], Finished)  # it completed; saving it broke the loop
+    last = list(waiting[0].events(WAIT))[-1]
+    assert isinstance(last, Error) and last.code == "engine_error" and "runner stopped" in last.message
+    with pytest.raises(SchedulerClosedError):
+        r.submit(ids(model, "w3"), max_tokens=2)
