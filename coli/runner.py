@@ -300,10 +300,12 @@ class Runner:
         if tok in self.model.eos_ids:
             return SeqOutput(None, "stop")
         g.generated.append(tok)
-        text, stopped = g.stops.push(g.detok.push(tok))
+        piece = g.detok.push(tok)
+        if piece:  # the spec's first output is observed before stop filtering
+            self.scheduler.note_first_output(req)
+        text, stopped = g.stops.push(piece)
         if text:
             g.handle.put(TextDelta(text))
-            self.scheduler.note_first_output(req)
         return SeqOutput(tok, "stop" if stopped else None)
 
     def _on_change(self, req: Request) -> None:
@@ -313,11 +315,13 @@ class Runner:
         if req.status is Status.RUNNING:
             put(Started(req.slot, len(req.prompt), req.cached_tokens, req.queue_wait, req.max_tokens))
         elif req.status is Status.COMPLETED:
-            text, _ = g.stops.push(g.detok.flush())
+            piece = g.detok.flush()
+            if piece:
+                self.scheduler.note_first_output(req)
+            text, _ = g.stops.push(piece)
             tail = text + g.stops.flush()
             if tail:
                 put(TextDelta(tail))
-                self.scheduler.note_first_output(req)
             put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases))
             put(Usage(len(req.prompt), req.generated, req.cached_tokens, req.queue_wait))
             put(Finished(req.finish_reason))

@@ -147,6 +147,11 @@ def test_stop_strings_end_the_answer(model, runner):
     stop = " " + full.split()[4]
     got = r.submit(prompt, max_tokens=12, sampling=greedy, stop=[stop]).result(timeout=WAIT)
     assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"
+    before = r.metrics.value("colibri_scheduler_first_output_seconds_count")
+    hidden = r.submit(prompt, max_tokens=12, sampling=greedy, stop=[full.split()[0]]).result(timeout=WAIT)
+    assert hidden.text == "" and hidden.finish_reason == "stop"
+    # the model did produce output: first output is observed before stop filtering (spec)
+    assert r.metrics.value("colibri_scheduler_first_output_seconds_count") == before + 1
 
 
 def test_seeded_sampling_is_reproducible_under_batching(model, runner):
