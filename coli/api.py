@@ -45,7 +45,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
          max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
          ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
-         **options) -> "Model":
+         prefetch: bool = True, **options) -> "Model":
     """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
@@ -58,7 +58,8 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     Converted directories only: ``ram_budget`` (bytes or "2G") caps the RAM for
     experts (default: what is available); below the experts' size they are streamed
     from disk through per-layer caches with a ``pin`` ("512M") hot set learned from
-    .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered"."""
+    .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered";
+    ``prefetch`` reads the next layer's likely experts while a layer computes."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
     for q in (quant, head_quant):
@@ -71,7 +72,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     tokenizer = Tokenizer.from_dir(model_dir)
     if is_converted(model_dir):
         weights = ConvertedWeights(model_dir, quant, head_quant, dict(
-            ram_budget=_size(ram_budget, "ram_budget"), pin=_size(pin, "pin"), io=io))
+            ram_budget=_size(ram_budget, "ram_budget"), pin=_size(pin, "pin"), io=io, prefetch=prefetch))
     else:
         if ram_budget is not None or pin is not None:
             raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "

@@ -6,8 +6,10 @@ from typing import Annotated, Optional
 import typer
 
 import coli
+from coli.cli.bench import bench
 from coli.cli.chat import chat
 from coli.cli.convert import convert
+from coli.cli.kv import app as kv_app
 from coli.cli.run import run
 
 app = typer.Typer(
@@ -21,7 +23,8 @@ app = typer.Typer(
 app.command()(run)
 app.command()(chat)
 app.command()(convert)
-app.add_typer(__import__("coli.cli.kv", fromlist=["app"]).app, name="kv")  # `coli kv inspect`
+app.command()(bench)
+app.add_typer(kv_app, name="kv")
 
 
 def _version(value: bool) -> None:

@@ -78,7 +78,7 @@ class ExpertStore:
     """All experts of one converted model: residency policy, the file, I/O and stats."""
 
     def __init__(self, model_dir: Path, manifest: dict, *, ram_budget: int | None = None, pin: int | None = None,
-                 io: str = "direct", verify: bool = True):
+                 io: str = "direct", verify: bool = True, prefetch: bool = True):
         ex = manifest["experts"]
         self.dir, self.manifest = model_dir, manifest
         self.path = model_dir / ex["file"]
@@ -89,7 +89,7 @@ class ExpertStore:
             ram_budget = max(0, mem_available() - manifest["dense"]["bytes"] - (512 << 20))
         self.ram_budget = ram_budget
         self.resident = self.total_bytes <= ram_budget
-        self.verify, self.io = verify, io
+        self.verify, self.io, self.prefetch_enabled = verify, io, prefetch
         self.stats = StoreStats()
         self.layers: dict[str, ResidentExperts | StreamedExperts] = {}
         self._lock = threading.Lock()
@@ -317,6 +317,8 @@ class StreamedExperts:
 
     def prefetch(self, idx: np.ndarray) -> None:
         """Start background reads of the experts ``idx`` names that are not resident."""
+        if not self.store.prefetch_enabled:
+            return
         need = np.unique(idx)
         for e in need[self.slot_of[need] < 0]:
             s = self._victim(need, allow_pending=False)

@@ -83,6 +83,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
         raise InvalidRequestError(f"{dst}: already exists; pass --force to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
     try:
         writer = ConvertedWriter(tmp, quant, head_quant)
         build_model(cfg, RecordingWeights(ckpt, quant, head_quant, writer, progress))

@@ -1,0 +1,110 @@
+"""`coli bench`: prefill and decode speed, TTFT, expert hit rate and I/O of one model.
+
+Each repeat uses its own random prompt (rotating prompts, so a cache cannot simply
+replay one request), runs a fresh context's prefill, then greedy decode. Reported
+numbers are medians over repeats, with min and max beside them.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from coli.engine import StepStats
+
+
+@dataclass
+class RunResult:
+    prefill_tok_s: float
+    decode_tok_s: float
+    ttft_s: float
+    hit_rate: float
+    bytes_read_per_token: float
+    io_wait_s: float
+
+
+@dataclass
+class BenchResult:
+    model: str
+    quant: str
+    threads: int
+    prompt_tokens: int
+    gen_tokens: int
+    repeats: int
+    simd: str
+    resident: dict
+    kv_bytes_per_token: int
+    peak_rss_bytes: int
+    runs: list[RunResult] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        return statistics.median(getattr(r, key) for r in self.runs)
+
+    def spread(self, key: str) -> tuple[float, float]:
+        vals = [getattr(r, key) for r in self.runs]
+        return min(vals), max(vals)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["median"] = {k: self.median(k) for k in RunResult.__dataclass_fields__}
+        return d
+
+
+def _delta(a: StepStats, b: StepStats) -> StepStats:
+    d = StepStats()
+    for f in ("tokens", "seconds", "io_wait", "experts_needed", "experts_hit", "bytes_read"):
+        setattr(d, f, getattr(b, f) - getattr(a, f))
+    return d
+
+
+def _copy(s: StepStats) -> StepStats:
+    c = StepStats()
+    c += s
+    return c
+
+
+def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3, seed: int = 0,
+        label: str = "") -> BenchResult:
+    """Benchmark a loaded ``coli.Model``."""
+    from coli._engine import kernels as K
+
+    eng = model.engine
+    V = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, V, size=prompt_tokens).tolist() for _ in range(repeats + 1)]
+    runs = []
+    for r, prompt in enumerate(prompts):
+        cache = eng.new_cache(prompt_tokens + gen_tokens)
+        s0 = _copy(eng.totals)
+        t0 = time.perf_counter()
+        for i in range(0, len(prompt), 256):
+            logits = eng.step([(cache, prompt[i : i + 256])])
+        tok = int(np.argmax(logits[0]))
+        ttft = time.perf_counter() - t0
+        s1 = _copy(eng.totals)
+        for _ in range(gen_tokens):
+            logits = eng.step([(cache, [tok])])
+            tok = int(np.argmax(logits[0]))
+        t_dec = time.perf_counter() - t0 - ttft
+        dec = _delta(s1, eng.totals)
+        if r == 0:
+            continue  # warm-up: first-touch page faults, thread start, allocations
+        runs.append(RunResult(
+            prefill_tok_s=prompt_tokens / (s1.seconds - s0.seconds),
+            decode_tok_s=gen_tokens / t_dec,
+            ttft_s=ttft,
+            hit_rate=dec.experts_hit / dec.experts_needed if dec.experts_needed else 1.0,
+            bytes_read_per_token=dec.bytes_read / gen_tokens,
+            io_wait_s=dec.io_wait,
+        ))
+    attn = model.engine.model.layers[0].attn
+    kv_per_token = 2 * attn.nkv * attn.hd * 4 * model.config.num_hidden_layers
+    w = model.weights
+    return BenchResult(
+        model=label or str(model.path), quant=getattr(w, "quant", "f32"), threads=eng.threads,
+        prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
+        resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, runs=runs)
