@@ -148,17 +148,22 @@ class Model:
 
         ``cache`` (from ``model.engine.new_cache()``) keeps a context across calls:
         the part of the new prompt it already holds is not computed again."""
-        d = self.generation_defaults
-        params = SamplingParams(
-            temperature=d.get("temperature", 0.0) if temperature is None else temperature,
-            top_p=d.get("top_p", 1.0) if top_p is None else top_p,
-            top_k=d.get("top_k", 0) if top_k is None else top_k,
-            min_p=min_p, seed=seed)
+        params = self.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         params.validate()
         if max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1 (got {max_tokens})")
         ids = self.prompt_ids(prompt_or_messages, raw=raw, **template_kwargs)
         return self._stream(ids, max_tokens, Sampler(params), StopMatcher(stop), cache)
+
+    def sampling_params(self, *, temperature: float | None = None, top_p: float | None = None,
+                        top_k: int | None = None, min_p: float = 0.0, seed: int | None = None) -> SamplingParams:
+        """Sampling parameters with the model's generation_config.json filling what is None."""
+        d = self.generation_defaults
+        return SamplingParams(
+            temperature=d.get("temperature", 0.0) if temperature is None else temperature,
+            top_p=d.get("top_p", 1.0) if top_p is None else top_p,
+            top_k=d.get("top_k", 0) if top_k is None else top_k,
+            min_p=min_p, seed=seed)
 
     def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: StopMatcher,
                 cache: KVCache | None) -> Iterator[str]:

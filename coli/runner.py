@@ -155,9 +155,7 @@ class Runner:
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
         if sampling is None:
-            d = self.model.generation_defaults
-            sampling = SamplingParams(temperature=d.get("temperature", 0.0), top_p=d.get("top_p", 1.0),
-                                      top_k=d.get("top_k", 0))
+            sampling = self.model.sampling_params()
         sampling.validate()
         req = Request(ids, int(max_tokens), cache_slot)
         if request_id is not None:

@@ -73,6 +73,88 @@ static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float 
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define COLI_Q512 1
+/* Two groups (64 weights) per step in 512-bit registers.
+ * Q4: the 32 bytes of two groups unpack to [g0 lo | g1 lo | g0 hi | g1 hi] (128-bit lanes),
+ *     so the activations' lanes are shuffled to the same order: [g0 a | g1 a | g0 b | g1 b].
+ *     A lane's scale is that of its group: the pattern per 128-bit lane is (s0, s1, s0, s1).
+ * Q8: weights and activations are both in natural order; the scale pattern is (s0, s0, s1, s1).
+ * The signed x signed Q8 product runs on dpbusd (unsigned x signed) as |w| * (x with w's sign). */
+static inline __m512 coli_pair_scale(float a, float b, int q4) {
+    __m256 lo = _mm256_set1_ps(a), hi = _mm256_set1_ps(b);
+    if (q4) {
+        __m256 ab = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+        return _mm512_insertf32x8(_mm512_castps256_ps512(ab), ab, 1);
+    }
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+static inline __m512i coli_pair_sum(int32_t a, int32_t b) {
+    __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(a)), _mm_set1_epi32(b), 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ab), ab, 1);
+}
+
+static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+#define COLI_QTILE512(NAME, IS4, MR, NR)                                                            \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        __m512 acc[MR][NR];                                                                        \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                          \
+        int b = 0;                                                                                 \
+        for (; b + 2 <= nb; b += 2) {                                                              \
+            __m512i w[NR];                                                                         \
+            __m512 ws[NR];                                                                         \
+            __mmask64 neg[NR];                                                                     \
+            for (int j = 0; j < NR; j++) {                                                         \
+                if (IS4) {                                                                         \
+                    w[j] = coli_unpack_q4x2(wq + j * ldw + b * 16);                                \
+                } else {                                                                           \
+                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));      \
+                    neg[j] = _mm512_movepi8_mask(raw);                                             \
+                    w[j] = _mm512_abs_epi8(raw);                                                   \
+                }                                                                                  \
+                ws[j] = coli_pair_scale(coli_f16_to_f32(wd[j * ldd + b]),                          \
+                                        coli_f16_to_f32(wd[j * ldd + b + 1]), IS4);                \
+            }                                                                                      \
+            for (int i = 0; i < MR; i++) {                                                         \
+                __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));        \
+                if (IS4) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));                  \
+                const float *xd = a->qd + i * a->ldb + b;                                          \
+                __m512 xs = coli_pair_scale(xd[0], xd[1], IS4);                                    \
+                __m512i bs = IS4 ? coli_pair_sum(a->qs[i * a->ldb + b], a->qs[i * a->ldb + b + 1]) \
+                                 : _mm512_setzero_si512();                                         \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m512i xx = IS4 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x); \
+                    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);             \
+                    if (IS4) d = _mm512_sub_epi32(d, bs);                                          \
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[j], xs), acc[i][j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float s = _mm512_reduce_add_ps(acc[i][j]);                                         \
+                if (b < nb) { /* odd group count: the last group through the 256-bit tile */      \
+                    coli_act one = *a;                                                             \
+                    one.q += i * a->ldq + b * 32;                                                  \
+                    one.qd += i * a->ldb + b;                                                      \
+                    one.qs += i * a->ldb + b;                                                      \
+                    float t;                                                                       \
+                    NAME##_tail(&one, wq + j * ldw + b * (IS4 ? 16 : 32), wd + j * ldd + b, ldw, ldd, 1, &t, 1); \
+                    s += t;                                                                        \
+                }                                                                                  \
+                Y[i * ldy + j] = s;                                                            \
+            }                                                                                      \
+    }
+#endif
+
 #if defined(__AVX2__)
 /* 8 int32 lanes of sum(u8 * s8) over 32 byte pairs. */
 static inline __m256i coli_dot_u8s8(__m256i u, __m256i s) {
@@ -152,13 +234,26 @@ static inline float coli_hsum256(__m256 v) {
     }
 #endif
 
+#if defined(COLI_Q512)
+#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512(NAME, IS4, MR, NR)
+#define COLI_QTILE_TAIL(NAME, IS4) COLI_QTILE(NAME##_t, IS4, 1, 1)                                 \
+    static inline void NAME##_tail(const coli_act *a, const uint8_t *wq, const uint16_t *wd,       \
+                                   long ldw, long ldd, int nb, float *Y, long ldy) {                \
+        NAME##_t_1x1(a, wq, wd, ldw, ldd, nb, Y, ldy);                                             \
+    }
+#else
+#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
+#define COLI_QTILE_TAIL(NAME, IS4)
+#endif
+
 #define COLI_QTILES(NAME, IS4)                                                                     \
-    COLI_QTILE(NAME, IS4, 1, 1) COLI_QTILE(NAME, IS4, 1, 2) COLI_QTILE(NAME, IS4, 1, 3)            \
-    COLI_QTILE(NAME, IS4, 1, 4) COLI_QTILE(NAME, IS4, 2, 1) COLI_QTILE(NAME, IS4, 2, 2)            \
-    COLI_QTILE(NAME, IS4, 2, 3) COLI_QTILE(NAME, IS4, 2, 4) COLI_QTILE(NAME, IS4, 3, 1)            \
-    COLI_QTILE(NAME, IS4, 3, 2) COLI_QTILE(NAME, IS4, 3, 3) COLI_QTILE(NAME, IS4, 3, 4)            \
-    COLI_QTILE(NAME, IS4, 4, 1) COLI_QTILE(NAME, IS4, 4, 2) COLI_QTILE(NAME, IS4, 4, 3)            \
-    COLI_QTILE(NAME, IS4, 4, 4)                                                                    \
+    COLI_QTILE_TAIL(NAME, IS4)                                                                     \
+    COLI_QTILE_MAIN(NAME, IS4, 1, 1) COLI_QTILE_MAIN(NAME, IS4, 1, 2) COLI_QTILE_MAIN(NAME, IS4, 1, 3) \
+    COLI_QTILE_MAIN(NAME, IS4, 1, 4) COLI_QTILE_MAIN(NAME, IS4, 2, 1) COLI_QTILE_MAIN(NAME, IS4, 2, 2) \
+    COLI_QTILE_MAIN(NAME, IS4, 2, 3) COLI_QTILE_MAIN(NAME, IS4, 2, 4) COLI_QTILE_MAIN(NAME, IS4, 3, 1) \
+    COLI_QTILE_MAIN(NAME, IS4, 3, 2) COLI_QTILE_MAIN(NAME, IS4, 3, 3) COLI_QTILE_MAIN(NAME, IS4, 3, 4) \
+    COLI_QTILE_MAIN(NAME, IS4, 4, 1) COLI_QTILE_MAIN(NAME, IS4, 4, 2) COLI_QTILE_MAIN(NAME, IS4, 4, 3) \
+    COLI_QTILE_MAIN(NAME, IS4, 4, 4)                                                               \
     static inline void NAME(int mr, int nr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
                             long ldw, long ldd, int nb, float *Y, long ldy) {                       \
         switch (mr * 8 + nr) {                                                                     \

@@ -45,6 +45,22 @@ PinOpt = Annotated[Optional[str], typer.Option(
     "--pin", help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
 
 
+CtxOpt = Annotated[Optional[int], typer.Option(
+    "--ctx", min=2, help="Context tokens per KV slot. Default: the model's, capped to what memory holds.")]
+KvDirOpt = Annotated[Optional[str], typer.Option(
+    "--kv-dir", envvar="COLI_KV_DIR", help="Where KV slot state (.coli_kv, .coli_kv.1, ...) is saved and restored.")]
+PersistOpt = Annotated[bool, typer.Option(
+    "--kv-persist/--no-kv-persist", help="Save KV slots so a restart reuses cached prefixes.")]
+
+
+def open_runner(model, *, ctx=None, kv_dir=None, persist=True, kv_slots=1):
+    """The scheduler every front end shares, with its start-up notes on stderr."""
+    from coli.runner import Runner
+
+    return Runner(model, kv_slots=kv_slots, ctx=ctx, kv_dir=kv_dir, persist=persist,
+                  notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True) if stderr.is_terminal else None)
+
+
 def load_options(quant=None, ram_budget=None, pin=None) -> dict:
     return {k: v for k, v in dict(quant=quant, ram_budget=ram_budget, pin=pin).items() if v is not None}
 

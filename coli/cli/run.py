@@ -6,8 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (MaxTokensOpt, ModelOpt, SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt,
-                             TopPOpt, QuantOpt, RamBudgetOpt, PinOpt, fail, load_model, load_options, messages_for, user_errors)
+from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
+                             SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
+                             load_options, messages_for, open_runner, user_errors)
 
 
 @user_errors
@@ -25,6 +26,9 @@ def run(
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,
+    ctx: CtxOpt = None,
+    kv_dir: KvDirOpt = None,
+    kv_persist: PersistOpt = True,
 ) -> None:
     """Answer one prompt and stream the answer to stdout.
 
@@ -39,13 +43,15 @@ def run(
     if raw and system:
         raise fail("--system needs the chat template; drop --raw")
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
-    request = prompt if raw else messages_for(prompt.strip(), system)
+    ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw)
+    sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     last = ""
-    for piece in m.generate(request, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, raw=raw):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-        last = piece or last
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
+        for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            last = piece or last
+    m.close()
     if not last.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
