@@ -38,6 +38,9 @@ class BenchResult:
     resident: dict
     kv_bytes_per_token: int
     peak_rss_bytes: int
+    weight_bytes_per_token: int  # weights one decode token reads (dense matrices + top-k experts)
+    bandwidth_bytes_s: float  # memory read bandwidth measured with the same threads
+    roofline_tok_s: float  # bandwidth / weight_bytes_per_token
     runs: list[RunResult] = field(default_factory=list)
 
     def median(self, key: str) -> float:
@@ -100,6 +103,9 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
             bytes_read_per_token=dec.bytes_read / gen_tokens,
             io_wait_s=dec.io_wait,
         ))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the bandwidth probe's buffer
+    per_token = weight_bytes_per_token(model)
+    bw = memory_bandwidth()
     attn = model.engine.model.layers[0].attn
     kv_per_token = 2 * attn.nkv * attn.hd * 4 * model.config.num_hidden_layers
     w = model.weights
@@ -107,4 +113,46 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         model=label or str(model.path), quant=getattr(w, "quant", "f32"), threads=eng.threads,
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
         resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, runs=runs)
+        peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, bandwidth_bytes_s=bw, roofline_tok_s=bw / per_token, runs=runs)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step of one token reads: every matrix but the embedding
+    table (one row of it), plus num_experts_per_tok experts of each MoE layer."""
+    net = model.engine.model
+    total = sum(m.nbytes for m in _matrices(net) if m is not net.embed)
+    if net.lm_head.mat is net.embed:
+        total += net.embed.nbytes
+    for moe in net.moe_layers:
+        total += moe.k * expert_bytes(moe)
+    return total
+
+
+def expert_bytes(moe) -> int:
+    mats = moe.table.get(0)
+    if mats[0] is None:  # streamed: slots hold whole experts
+        return moe.experts.store.stride
+    return sum(m.nbytes for m in mats)
+
+
+def _matrices(net):
+    for layer in net.layers:
+        a = layer.attn
+        yield from (a.q_proj.mat, a.k_proj.mat, a.v_proj.mat, a.o_proj.mat)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "mat"):
+            yield from (layer.mlp.gate.mat, layer.mlp.up.mat, layer.mlp.down.mat)
+    yield net.lm_head.mat
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second the kernels' threads read from a buffer much larger than the caches
+    (best of ``repeats``)."""
+    from coli._engine import kernels as K
+
+    buf = np.ones(nbytes // 8, dtype=np.int64)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        K.read_bytes(buf)
+        best = max(best, nbytes / (time.perf_counter() - t0))
+    return best

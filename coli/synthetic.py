@@ -119,9 +119,26 @@ def write_hf(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
     return out
 
 
+def _random_quantized(rng: np.random.Generator, shape, fmt: str):
+    """A random matrix drawn directly as int4/int8 codes with float16 scales, so that
+    writing a 7B model costs its bytes, not billions of float draws and roundings.
+    The values spread like a normal weight of std STD."""
+    from coli._engine import kernels as K
+
+    rows, cols = shape
+    kp = K.padded(cols)
+    d = np.full((rows, kp // 32), STD / (2.0 if fmt == "int4" else 50.0), dtype=np.float16)
+    if fmt == "int4":
+        q = rng.integers(0, 256, size=(rows, kp // 2), dtype=np.uint8)
+    else:
+        q = np.clip(rng.normal(0, 50.0, size=(rows, kp)), -127, 127).astype(np.int8)
+    return K.QMatrix(K.FORMATS[fmt], q, d, rows, cols)
+
+
 def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed: int = 0) -> Path:
     """A converted coli directory straight from random weights, never materialising the
-    whole model in float: each tensor is drawn, quantized and appended in turn."""
+    whole model in float: each tensor is drawn (directly as codes for int8/int4) and
+    appended in turn."""
     from coli.weights.source import default_head_quant
 
     out = Path(out)
@@ -136,17 +153,18 @@ def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed
     for n, shape, kind in tensor_shapes(name):
         if ".mlp.experts." in n:
             layer = n.split(".experts.")[0]
-            experts.append(quantize(_value(rng, shape, kind), quant))
+            experts.append(_random_quantized(rng, shape, quant) if quant in ("int4", "int8")
+                           else quantize(_value(rng, shape, kind), quant))
             if len(experts) == 3 * SPECS[name]["num_experts"]:
                 w.add_experts(layer, [tuple(experts[i : i + 3]) for i in range(0, len(experts), 3)])
                 experts = []
             continue
-        v = _value(rng, shape, kind)
         if kind == "w":
             fmt = head_quant if n in ("model.embed_tokens.weight", "lm_head.weight") else quant
-            w.add_matrix(n, quantize(v, fmt))
+            w.add_matrix(n, _random_quantized(rng, shape, fmt) if fmt in ("int4", "int8")
+                         else quantize(_value(rng, shape, kind), fmt))
         else:
-            w.add_f32(n, v)
+            w.add_f32(n, _value(rng, shape, kind))
     cfg = config(name)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))

@@ -288,3 +288,12 @@ cdef inline bint _taken(const int32_t *chosen, int n, int e) noexcept nogil:
 
 
 include "quant.pxi"
+
+
+def read_bytes(const int64_t[::1] buf):
+    """Read every word of buf across the threads (a memory-bandwidth probe); returns their sum."""
+    cdef Py_ssize_t i, n = buf.shape[0]
+    cdef int64_t total = 0
+    for i in prange(n, nogil=True, num_threads=_nthreads, schedule='static'):
+        total += buf[i]
+    return total

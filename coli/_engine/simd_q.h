@@ -112,6 +112,10 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
             __m512i w[NR];                                                                         \
             __m512 ws[NR];                                                                         \
             __mmask64 neg[NR];                                                                     \
+            /* the rows of the next tile, one cache line per row per step: they arrive          \
+               while this tile computes */                                                        \
+            for (int j = 0; j < NR; j++)                                                           \
+                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
             for (int j = 0; j < NR; j++) {                                                         \
                 if (IS4) {                                                                         \
                     w[j] = coli_unpack_q4x2(wq + j * ldw + b * 16);                                \
@@ -190,6 +194,8 @@ static inline float coli_hsum256(__m256 v) {
         for (int b = 0; b < nb; b++) {                                                             \
             __m256i w[NR];                                                                         \
             float dw[NR];                                                                          \
+            for (int j = 0; j < NR; j++) /* the next tile's rows arrive while this one computes */ \
+                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
             for (int j = 0; j < NR; j++) {                                                         \
                 w[j] = IS4 ? coli_unpack_q4(wq + j * ldw + b * 16)                                 \
                            : _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 32));         \

@@ -74,4 +74,8 @@ def bench(
     t.add_row("experts: pinned / cached / disk",
               " / ".join(_gb(res.resident[k]) for k in ("pinned", "cached", "disk")), "")
     t.add_row("KV bytes / token", f"{res.kv_bytes_per_token:,}", "")
+    t.add_row("weights read / token", _gb(res.weight_bytes_per_token), "")
+    t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", "")
+    t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",
+              f"decode at {res.median('decode_tok_s') / res.roofline_tok_s:.0%} of it")
     stderr.print(t)

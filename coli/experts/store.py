@@ -107,9 +107,15 @@ class ExpertStore:
     # ---- I/O
     def _read_all(self) -> None:
         self._all = aligned_buffer(self.total_bytes)
+        n = 0
         if self.total_bytes:
+            view = memoryview(self._all)
             with open(self.path, "rb", buffering=0) as f:
-                n = f.readinto(memoryview(self._all))
+                while n < self.total_bytes:  # one read returns at most ~2 GiB
+                    got = f.readinto(view[n:])
+                    if not got:
+                        break
+                    n += got
             if n != self.total_bytes:
                 raise ModelLoadError(f"{self.path}: truncated ({n} of {self.total_bytes} bytes); convert the model again")
         if self.verify:
