@@ -37,6 +37,7 @@ class BenchResult:
     simd: str
     resident: dict
     kv_bytes_per_token: int
+    kv_bytes_per_token_expanded: int  # what full per-head K/V would take (differs for MLA)
     peak_rss_bytes: int
     weight_bytes_per_token: int  # weights one decode token reads (dense matrices + top-k experts)
     bandwidth_bytes_s: float  # memory read bandwidth measured with the same threads
@@ -106,23 +107,42 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the bandwidth probe's buffer
     per_token = weight_bytes_per_token(model)
     bw = memory_bandwidth()
-    attn = model.engine.model.layers[0].attn
-    kv_per_token = 2 * attn.nkv * attn.hd * 4 * model.config.num_hidden_layers
+    layers = model.engine.model.layers
+    kv_per_token = sum(l.attn.k_width + l.attn.v_width for l in layers) * 4
+    expanded = sum(l.attn.expanded_kv_width() if hasattr(l.attn, "expanded_kv_width")
+                   else l.attn.k_width + l.attn.v_width for l in layers) * 4
     w = model.weights
     return BenchResult(
         model=label or str(model.path), quant=getattr(w, "quant", "f32"), threads=eng.threads,
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
-        resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token,
+        resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token, kv_bytes_per_token_expanded=expanded,
         peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, bandwidth_bytes_s=bw, roofline_tok_s=bw / per_token, runs=runs)
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step of one token reads: every matrix but the embedding
-    table (one row of it), plus num_experts_per_tok experts of each MoE layer."""
+    """Bytes of weights a decode step of one token reads: every dense weight (matrices,
+    norms, routers, shared experts, MLA's absorbed projections) but the embedding table
+    (one row of it), plus num_experts_per_tok experts of each MoE layer."""
     net = model.engine.model
-    total = sum(m.nbytes for m in _matrices(net) if m is not net.embed)
-    if net.lm_head.mat is net.embed:
-        total += net.embed.nbytes
+    seen: set[int] = {id(net.embed)} if net.lm_head.mat is not net.embed else set()
+
+    def size(obj) -> int:
+        total = 0
+        for v in vars(obj).values():
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, np.ndarray):
+                total += v.nbytes
+            elif hasattr(v, "mat"):  # Linear
+                total += v.mat.nbytes + (v.bias.nbytes if v.bias is not None else 0)
+            elif v.__class__.__name__ == "GatedMLP":
+                total += size(v)
+        return total
+
+    total = size(net.lm_head) + net.norm.nbytes
+    for layer in net.layers:
+        total += size(layer.attn) + size(layer.mlp) + layer.input_norm.nbytes + layer.post_norm.nbytes
     for moe in net.moe_layers:
         total += moe.k * expert_bytes(moe)
     return total
@@ -133,15 +153,6 @@ def expert_bytes(moe) -> int:
     if mats[0] is None:  # streamed: slots hold whole experts
         return moe.experts.store.stride
     return sum(m.nbytes for m in mats)
-
-
-def _matrices(net):
-    for layer in net.layers:
-        a = layer.attn
-        yield from (a.q_proj.mat, a.k_proj.mat, a.v_proj.mat, a.o_proj.mat)
-        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "mat"):
-            yield from (layer.mlp.gate.mat, layer.mlp.up.mat, layer.mlp.down.mat)
-    yield net.lm_head.mat
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -85,18 +85,55 @@ class RopeConfig:
         return (inv_inter * (1 - extra) + inv_extra * extra).astype(np.float32), attn
 
 
-def _rope_from(raw: dict) -> RopeConfig:
-    rp = raw.get("rope_parameters")
-    if isinstance(rp, dict) and ("rope_type" in rp or "rope_theta" in rp or "type" in rp):
-        params = dict(rp)
-    else:
-        params = dict(raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _rope_one(raw: dict, params: dict, theta_default=None) -> RopeConfig:
+    params = dict(params)
+    params.pop("partial_rotary_factor", None)
+    theta = params.pop("rope_theta", None) or theta_default or raw.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = raw.get(
             "original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
     return RopeConfig(theta=float(theta), rope_type=rope_type, params=params)
+
+
+def _rope_from(raw: dict) -> tuple[RopeConfig, dict[str, RopeConfig]]:
+    """The default RoPE, and per attention type where the config gives them (Gemma 3:
+    local layers with their own base; transformers 5 nests rope_parameters by type,
+    4.x used rope_local_base_freq)."""
+    rp = raw.get("rope_parameters")
+    if isinstance(rp, dict) and any(isinstance(rp.get(t), dict) for t in LAYER_TYPES):
+        by_type = {t: _rope_one(raw, rp[t]) for t in LAYER_TYPES if isinstance(rp.get(t), dict)}
+        return by_type.get("full_attention") or next(iter(by_type.values())), by_type
+    if isinstance(rp, dict) and ("rope_type" in rp or "rope_theta" in rp or "type" in rp):
+        default = _rope_one(raw, rp)
+    else:
+        default = _rope_one(raw, raw.get("rope_scaling") or {})
+    by_type = {"full_attention": default}
+    if raw.get("rope_local_base_freq"):
+        by_type["sliding_attention"] = RopeConfig(theta=float(raw["rope_local_base_freq"]))
+    return default, by_type
+
+
+def _partial_rotary(raw: dict) -> float:
+    rp = raw.get("rope_parameters")
+    if isinstance(rp, dict) and rp.get("partial_rotary_factor"):
+        return float(rp["partial_rotary_factor"])
+    return float(raw.get("partial_rotary_factor") or 1.0)
+
+
+def _layer_types(raw: dict, n_layers: int) -> tuple[str, ...]:
+    """Each layer's attention type: config.layer_types, else Gemma's sliding_window_pattern
+    (every Nth layer global), else all full attention."""
+    lt = raw.get("layer_types")
+    if isinstance(lt, list) and len(lt) == n_layers:
+        return tuple(lt)
+    pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+    if pattern and raw.get("sliding_window"):
+        return tuple("full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n_layers))
+    return ("full_attention",) * n_layers
 
 
 @dataclass(frozen=True)
@@ -114,6 +151,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope: RopeConfig
+    rope_by_layer_type: dict = field(default_factory=dict, repr=False, compare=False)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
     partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     # mixture of experts (0 experts: dense)
@@ -125,6 +165,16 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_id: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The RoPE of layer ``layer`` (its attention type's, else the default)."""
+        t = self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
+        return self.rope_by_layer_type.get(t, self.rope)
+
+    def window_for(self, layer: int) -> int:
+        """Sliding-window size of layer ``layer`` (0: attends the whole context)."""
+        t = self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
+        return self.sliding_window if t == "sliding_attention" else 0
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -140,10 +190,12 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
             experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
+            n_layers = int(need("num_hidden_layers"))
+            rope, rope_by_type = _rope_from(raw)
             return cls(
                 model_type=str(need("model_type")),
                 hidden_size=hidden,
-                num_hidden_layers=int(need("num_hidden_layers")),
+                num_hidden_layers=n_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -153,8 +205,11 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                rope=_rope_from(raw),
-                partial_rotary_factor=float(raw.get("partial_rotary_factor") or 1.0),
+                rope=rope,
+                rope_by_layer_type=rope_by_type,
+                layer_types=_layer_types(raw, n_layers),
+                sliding_window=int(raw.get("sliding_window") or 0),
+                partial_rotary_factor=_partial_rotary(raw),
                 hidden_act=str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu"),
                 num_experts=experts,
                 num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),

@@ -135,7 +135,7 @@ class Engine:
         self.max_context = max_context or self.cfg.max_position_embeddings
         self.run_state = RunState()
         attn = model.layers[0].attn
-        self._kw, self._vw = attn.nkv * attn.hd, attn.nkv * attn.hd
+        self._kw, self._vw = attn.k_width, attn.v_width
         self.last = StepStats()
         self.totals = StepStats()
         self._expert_bytes = sum(

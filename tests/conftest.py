@@ -26,6 +26,9 @@ def write_tokenizer(model_dir: Path, vocab_size: int, eos: int | None = None) ->
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-6)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+DSV3 = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=3)
 
 # name -> (model_type, config overrides); one line per architecture or variant.
 ARCHS = {
@@ -43,6 +46,24 @@ ARCHS = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=8, **MOE, norm_topk_prob=True, num_hidden_layers=3,
                                     mlp_only_layers=[1], head_dim=16)),
     "qwen3_moe-sparse-step": ("qwen3_moe", dict(num_experts=4, **MOE, decoder_sparse_step=2)),
+    "deepseek_v3": ("deepseek_v3", dict(DSV3, q_lora_rank=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                             original_max_position_embeddings=64, mscale=1.0,
+                                                             mscale_all_dim=1.0, beta_fast=32, beta_slow=1))),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", dict(DSV3, q_lora_rank=None, n_group=2, topk_group=1,
+                                                  first_k_dense_replace=2, num_hidden_layers=3)),
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                                  topk_group=1, first_k_dense_replace=1, n_shared_experts=1, attention_bias=True,
+                                  use_qk_norm=True, head_dim=32, routed_scaling_factor=1.5, num_hidden_layers=3,
+                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                       partial_rotary_factor=0.5))),
+    "gemma3_text": ("gemma3_text", dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
+                                        num_hidden_layers=4, final_logit_softcapping=30.0,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                     "full_attention"],
+                                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0,
+                                                                                factor=4.0)})),
 }
 
 
@@ -66,6 +87,9 @@ def make_hf_model(model_type: str, out: Path, seed: int = 0, dtype=None, max_sha
                 p.normal_(0.0, 0.08)
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: make the biased choice matter
+                b.normal_(0.0, 0.3)
     if dtype is not None:
         model = model.to(dtype)
     out.mkdir(parents=True, exist_ok=True)

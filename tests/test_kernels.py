@@ -198,3 +198,38 @@ def test_quantize_rows_matches_twin():
     np.testing.assert_array_equal(q, rq)
     np.testing.assert_allclose(d, rd, rtol=1e-7)
     np.testing.assert_array_equal(s, rs)
+
+
+@pytest.mark.parametrize("M,E,k,ng,tg", [(1, 8, 2, 1, 1), (5, 16, 4, 4, 2), (7, 32, 6, 8, 3)])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_moe_route_sigmoid(M, E, k, ng, tg, renorm):
+    logits, bias = rand(M, E, scale=2), rand(E, scale=0.3)
+    idx, w = np.empty((M, k), np.int32), np.empty((M, k), np.float32)
+    K.moe_route_sigmoid(logits, bias, k, ng, tg, renorm, 2.5, idx, w)
+    ridx, rw = R.moe_route_sigmoid(logits, bias, k, ng, tg, renorm, 2.5)
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_allclose(w, rw, **TOL)
+    gs = E // ng
+    assert all(len({int(e) // gs for e in row}) <= tg for row in idx)  # only topk_group groups used
+
+
+@pytest.mark.parametrize("M,nh,a,b", [(1, 3, 16, 8), (5, 4, 33, 17), (2, 2, 64, 128)])
+def test_head_matmul(M, nh, a, b):
+    x, w = rand(M, nh * a), rand(nh, b, a)
+    out = np.empty((M, nh * b), np.float32)
+    K.head_matmul(x, w, out)
+    np.testing.assert_allclose(out, R.head_matmul(x, w), **TOL)
+
+
+def test_attention_values_inside_key_rows():
+    """MLA: one shared latent head; values are the first v dims of each key row (v_stride)."""
+    nh, hd, vd, cap = 4, 24, 16, 10
+    cache = rand(cap, hd)  # (cap, 1 kv head, hd)
+    pos = np.array([3, 9], np.int32)
+    ptr = np.array([cache.ctypes.data] * 2, np.int64)
+    q = rand(2, nh * hd)
+    out = np.empty((2, nh * vd), np.float32)
+    K.attention(q, ptr, ptr, pos, out, nh, 1, hd, vd, 0.3, 0, 0.0, hd)
+    ks = [cache.reshape(cap, 1, hd)] * 2
+    vs = [cache[:, :vd].reshape(cap, 1, vd)] * 2
+    np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, 1, hd, vd, 0.3), **TOL)

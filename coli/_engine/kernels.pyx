@@ -12,6 +12,7 @@ Work is split so that each output element is written by one thread and summed
 in a fixed order: results do not depend on the thread count.
 """
 cimport openmp
+import numpy as np
 from cython.parallel cimport parallel, prange
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
@@ -190,16 +191,20 @@ def kv_write(const float[:, ::1] k, const float[:, ::1] v, const int64_t[::1] kp
     with nogil:
         for m in range(M):
             memcpy(<float *>kptr[m] + <long>pos[m] * kw, &k[m, 0], kw * sizeof(float))
-            memcpy(<float *>vptr[m] + <long>pos[m] * vw, &v[m, 0], vw * sizeof(float))
+            if vw > 0:  # MLA keeps its values inside the key rows
+                memcpy(<float *>vptr[m] + <long>pos[m] * vw, &v[m, 0], vw * sizeof(float))
 
 
 def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1] vptr,
               const int32_t[::1] pos, float[:, ::1] out, int n_heads, int n_kv_heads,
-              int head_dim, int v_head_dim, float scale, int window=0, float softcap=0.0):
+              int head_dim, int v_head_dim, float scale, int window=0, float softcap=0.0,
+              int v_stride=0):
     """Causal attention of each query row over its own sequence's cache.
 
     q: (M, n_heads*head_dim); the cache behind kptr[m] is (capacity, n_kv_heads, head_dim),
-    behind vptr[m] (capacity, n_kv_heads, v_head_dim); row m attends positions
+    behind vptr[m] (capacity, n_kv_heads, v_head_dim) — or, with v_stride, positions
+    v_stride floats apart (MLA reads its values from the leading part of its key rows);
+    row m attends positions
     [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when window <= 0).
     One pass with an online softmax: no score buffer, nothing allocated."""
     cdef int M = q.shape[0], group, idx, m, h, g, j, start
@@ -215,6 +220,7 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
     if kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
         raise ValueError("attention: shape mismatch")
     group = n_heads // n_kv_heads
+    cdef long vs = v_stride if v_stride > 0 else n_kv_heads * v_head_dim
     for idx in prange(M * n_heads, nogil=True, num_threads=_nthreads, schedule='static'):
         m = idx // n_heads
         h = idx - m * n_heads
@@ -235,12 +241,12 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
                 s = softcap * tanhf(s / softcap)
             if s > mx:
                 corr = <float>exp(mx - s)
-                coli_scale_add(o, corr, V + (<long>j * n_kv_heads + g) * v_head_dim, 1.0, v_head_dim)
+                coli_scale_add(o, corr, V + j * vs + g * v_head_dim, 1.0, v_head_dim)
                 l = l * corr + 1
                 mx = s
             else:
                 p = <float>exp(s - mx)
-                coli_scale_add(o, 1.0, V + (<long>j * n_kv_heads + g) * v_head_dim, p, v_head_dim)
+                coli_scale_add(o, 1.0, V + j * vs + g * v_head_dim, p, v_head_dim)
                 l = l + p
         coli_scale_add(o, 1.0 / l, o, 0.0, v_head_dim)
 
@@ -277,6 +283,74 @@ def moe_route_softmax(const float[:, ::1] logits, int k, bint renormalize, int32
         if renormalize:
             for j in range(k):
                 weights[m, j] = <float>(weights[m, j] / sel)
+
+
+def moe_route_sigmoid(const float[:, ::1] logits, const float[::1] bias, int k, int n_group, int topk_group,
+                      bint renormalize, float scale, int32_t[:, ::1] idx, float[:, ::1] weights):
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; experts chosen by score + bias within
+    the topk_group groups whose two best biased scores sum highest; weights are the
+    unbiased scores of the chosen experts, renormalised if asked, times scale."""
+    cdef int M = logits.shape[0], E = logits.shape[1], m, j, e, g, best, gs = E // n_group, r
+    cdef double sel
+    cdef float bv, a1, a2, v
+    if n_group < 1 or E % n_group != 0 or not 0 < topk_group <= n_group or k > E or bias.shape[0] != E:
+        raise ValueError("moe_route_sigmoid: bad grouping")
+    if idx.shape[0] != M or idx.shape[1] != k or weights.shape[0] != M or weights.shape[1] != k:
+        raise ValueError("moe_route_sigmoid: shape mismatch")
+    cdef float[:, ::1] sc = np.empty((M, E), dtype=np.float32)      # sigmoid scores
+    cdef float[:, ::1] ch = np.empty((M, E), dtype=np.float32)      # scores for choice
+    cdef float[:, ::1] gsum = np.empty((M, n_group), dtype=np.float32)
+    cdef int32_t[:, ::1] gpick = np.empty((M, n_group), dtype=np.int32)
+    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+        for e in range(E):
+            sc[m, e] = <float>(1.0 / (1.0 + exp(-logits[m, e])))
+            ch[m, e] = sc[m, e] + bias[e]
+        for g in range(n_group):
+            a1 = -INFINITY
+            a2 = -INFINITY
+            for e in range(g * gs, (g + 1) * gs):
+                v = ch[m, e]
+                if v > a1:
+                    a2 = a1
+                    a1 = v
+                elif v > a2:
+                    a2 = v
+            gsum[m, g] = a1 + (a2 if gs > 1 else 0)
+            gpick[m, g] = 0
+        for r in range(topk_group):
+            best = -1
+            bv = -INFINITY
+            for g in range(n_group):
+                if gpick[m, g] == 0 and (best < 0 or gsum[m, g] > bv):
+                    best = g
+                    bv = gsum[m, g]
+            gpick[m, best] = 1
+        sel = 0
+        for j in range(k):
+            best = -1
+            bv = -INFINITY
+            for e in range(E):
+                if gpick[m, e // gs] and (best < 0 or ch[m, e] > bv) and not _taken(&idx[m, 0], j, e):
+                    best = e
+                    bv = ch[m, e]
+            idx[m, j] = best
+            weights[m, j] = sc[m, best]
+            sel = sel + sc[m, best]
+        for j in range(k):
+            if renormalize:
+                weights[m, j] = <float>(weights[m, j] / (sel + 1e-20))
+            weights[m, j] = weights[m, j] * scale
+
+
+def head_matmul(const float[:, ::1] x, const float[:, :, ::1] w, float[:, ::1] out):
+    """out[m, h*b:(h+1)*b] = w[h] @ x[m, h*a:(h+1)*a] for every head h; w: (heads, b, a)."""
+    cdef int M = x.shape[0], nh = w.shape[0], b = w.shape[1], a = w.shape[2], h
+    if x.shape[1] != nh * a or out.shape[0] != M or out.shape[1] != nh * b:
+        raise ValueError("head_matmul: shape mismatch")
+    if M == 0:
+        return
+    for h in prange(nh, nogil=True, num_threads=_nthreads, schedule='static'):
+        coli_gemm_nt(&x[0, h * a], nh * a, M, &w[h, 0, 0], a, b, a, &out[0, h * b], nh * b)
 
 
 cdef inline bint _taken(const int32_t *chosen, int n, int e) noexcept nogil:

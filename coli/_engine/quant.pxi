@@ -1,6 +1,5 @@
 # Included by kernels.pyx: weight matrices in any format (f32, bf16, q8, q4), the
 # quantized linear layer, and the mixture-of-experts kernel built on them.
-import numpy as np
 
 FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}

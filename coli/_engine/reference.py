@@ -89,3 +89,27 @@ def moe_experts(x, idx, weights, gate, up, down, act=0):
             h = ACTS[act](gate[e].astype(np.float64) @ x[m]) * (up[e] @ x[m])
             out[m] += weights[m, j] * (down[e].astype(np.float64) @ h)
     return out.astype(np.float32)
+
+
+def moe_route_sigmoid(logits, bias, k, n_group, topk_group, renormalize, scale):
+    M, E = logits.shape
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))  # (M, E)
+    choice = s + bias
+    grouped = choice.reshape(M, n_group, E // n_group)
+    top2 = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)  # (M, n_group)
+    groups = np.argsort(-top2, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros((M, n_group), bool)
+    np.put_along_axis(mask, groups, True, axis=-1)
+    masked = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
+    idx = np.argsort(-masked, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(s, idx, axis=-1)
+    if renormalize:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return idx.astype(np.int32), (w * scale).astype(np.float32)
+
+
+def head_matmul(x, w):
+    """out[m, h] = w[h] @ x[m, h]; x (M, nh*a), w (nh, b, a)."""
+    nh, b, a = w.shape
+    xh = x.reshape(len(x), nh, a).astype(np.float64)
+    return np.einsum("hba,mha->mhb", w.astype(np.float64), xh).reshape(len(x), nh * b).astype(np.float32)

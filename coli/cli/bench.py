@@ -73,7 +73,9 @@ def bench(
     t.add_row("peak RSS", _gb(res.peak_rss_bytes), "")
     t.add_row("experts: pinned / cached / disk",
               " / ".join(_gb(res.resident[k]) for k in ("pinned", "cached", "disk")), "")
-    t.add_row("KV bytes / token", f"{res.kv_bytes_per_token:,}", "")
+    ratio = res.kv_bytes_per_token_expanded / res.kv_bytes_per_token
+    t.add_row("KV bytes / token", f"{res.kv_bytes_per_token:,}",
+              f"expanded K/V: {res.kv_bytes_per_token_expanded:,} ({ratio:.0f}x)" if ratio > 1 else "")
     t.add_row("weights read / token", _gb(res.weight_bytes_per_token), "")
     t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", "")
     t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",

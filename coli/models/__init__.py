@@ -12,7 +12,7 @@ from coli.config import ModelConfig
 from coli.errors import UnsupportedModelError
 from coli.models.base import DecoderLM
 
-SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = ("deepseek_v3", "gemma3_text", "glm4_moe", "llama", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe")
 
 
 def build_model(cfg: ModelConfig, weights) -> DecoderLM:

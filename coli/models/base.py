@@ -80,7 +80,8 @@ class Attention:
     projection), optional biases, optional clipping, RoPE on the first rot_dim dims."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: str | None, clip_qkv: float | None = None):
+                 qk_norm: str | None, clip_qkv: float | None = None, layer: int = 0, scale: float | None = None,
+                 unit_offset: bool = False, softcap: float = 0.0):
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
         self.q_proj = w.linear(f"{prefix}.q_proj.weight", nh * hd, H, qkv_bias)  # (nh*hd, H)
@@ -93,11 +94,13 @@ class Attention:
         elif qk_norm == "full":
             self.q_norm = w(f"{prefix}.q_norm.weight", nh * hd)
             self.k_norm = w(f"{prefix}.k_norm.weight", nkv * hd)
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.unit = cfg.rms_norm_eps, unit_offset
         self.clip = clip_qkv
         self.rot_dim = int(hd * cfg.partial_rotary_factor)
-        self.inv_freq, self.rope_scaling = cfg.rope.inv_freq(self.rot_dim, cfg.max_position_embeddings)
-        self.scale = hd ** -0.5
+        self.inv_freq, self.rope_scaling = cfg.rope_for(layer).inv_freq(self.rot_dim, cfg.max_position_embeddings)
+        self.scale = hd ** -0.5 if scale is None else scale
+        self.window, self.softcap = cfg.window_for(layer), softcap
+        self.k_width = self.v_width = nkv * hd  # floats per token in the KV cache
 
     def __call__(self, x: np.ndarray, batch: Batch, layer: int, rs: RunState, out: np.ndarray) -> None:
         M = len(x)
@@ -108,11 +111,12 @@ class Attention:
         self.k_proj(x, k, rs)
         self.v_proj(x, v, rs)
         if self.qk_norm == "head":
-            K.rmsnorm(q.reshape(M * self.nh, self.hd), self.q_norm, self.eps, q.reshape(M * self.nh, self.hd))
-            K.rmsnorm(k.reshape(M * self.nkv, self.hd), self.k_norm, self.eps, k.reshape(M * self.nkv, self.hd))
+            qh, kh = q.reshape(M * self.nh, self.hd), k.reshape(M * self.nkv, self.hd)
+            K.rmsnorm(qh, self.q_norm, self.eps, qh, self.unit)
+            K.rmsnorm(kh, self.k_norm, self.eps, kh, self.unit)
         elif self.qk_norm == "full":
-            K.rmsnorm(q, self.q_norm, self.eps, q)
-            K.rmsnorm(k, self.k_norm, self.eps, k)
+            K.rmsnorm(q, self.q_norm, self.eps, q, self.unit)
+            K.rmsnorm(k, self.k_norm, self.eps, k, self.unit)
         if self.clip is not None:
             for t in (q, k, v):
                 np.clip(t, -self.clip, self.clip, out=t)
@@ -121,7 +125,7 @@ class Attention:
         K.kv_write(k, v, batch.kptr[layer], batch.vptr[layer], batch.pos)
         a = rs.get("attn", M, self.nh * self.hd)  # (M, nh*hd)
         K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
-                    self.hd, self.scale)
+                    self.hd, self.scale, self.window, self.softcap)
         self.o_proj(a, out, rs)
 
 
@@ -154,11 +158,17 @@ class MoE:
     cache of slots."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, router: str, experts: str,
-                 names=("gate_proj", "up_proj", "down_proj"), renormalize: bool, act: int):
+                 names=("gate_proj", "up_proj", "down_proj"), renormalize: bool, act: int,
+                 sigmoid_groups: tuple[int, int] | None = None, scale: float = 1.0, shared: GatedMLP | None = None):
+        """``sigmoid_groups`` (n_group, topk_group) switches to DeepSeek-V3-style routing
+        (sigmoid scores, e_score_correction_bias, group-limited top-k, weights x scale);
+        ``shared`` is an always-on expert added to every token's output."""
         H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.E, self.k, self.inter, self.H, self.act = E, cfg.num_experts_per_tok, I, H, act
         self.renormalize = renormalize
         self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H), f32
+        self.groups, self.route_scale, self.shared = sigmoid_groups, scale, shared
+        self.bias = w(f"{prefix}.{router}.e_score_correction_bias", E) if sigmoid_groups else None
         self.experts = w.experts(prefix, experts, names, E, H, I, self.k)
         self.table = self.experts.table
         self.next: MoE | None = None  # the next MoE layer, whose experts this one prefetches
@@ -172,7 +182,7 @@ class MoE:
         K.linear(x, self.router, logits)
         idx = rs.get("moe_idx", M, k, np.int32)  # (M, k)
         wts = rs.get("moe_w", M, k)  # (M, k)
-        K.moe_route_softmax(logits, k, self.renormalize, idx, wts)
+        self.route(logits, idx, wts)
         if self.next is not None and self.next.experts.streamed:
             self._prefetch_next(x, rs)
         out[:] = 0
@@ -191,6 +201,16 @@ class MoE:
             self.experts.load(active)
             K.moe_experts(x, idx, wts, self.table, out, *bufs, active=active, combine=i == len(groups) - 1)
         self.last = idx.copy()
+        if self.shared is not None:
+            extra = rs.get("shared_out", M, self.H)  # (M, H)
+            self.shared(x, rs, extra)
+            out += extra
+
+    def route(self, logits: np.ndarray, idx: np.ndarray, wts: np.ndarray) -> None:
+        if self.groups is None:
+            K.moe_route_softmax(logits, self.k, self.renormalize, idx, wts)
+        else:
+            K.moe_route_sigmoid(logits, self.bias, self.k, *self.groups, self.renormalize, self.route_scale, idx, wts)
 
     def _prefetch_next(self, x: np.ndarray, rs: RunState) -> None:
         """Guess the next MoE layer's experts from this layer's input and start reading them."""
@@ -199,16 +219,20 @@ class MoE:
         K.linear(x, nxt.router, logits)
         idx = rs.get("moe_idx_next", len(x), nxt.k, np.int32)
         wts = rs.get("moe_w_next", len(x), nxt.k)
-        K.moe_route_softmax(logits, nxt.k, nxt.renormalize, idx, wts)
+        nxt.route(logits, idx, wts)
         nxt.experts.prefetch(idx)
 
 
 @dataclass
 class Layer:
+    """x += [out_norm](attn(input_norm(x))); x += [mlp_out_norm](mlp(post_norm(x)))."""
+
     input_norm: np.ndarray  # (H,)
     attn: Attention
-    post_norm: np.ndarray  # (H,)
+    post_norm: np.ndarray  # (H,) the norm before the MLP
     mlp: GatedMLP | MoE
+    attn_out_norm: np.ndarray | None = None  # (H,) Gemma's post_attention_layernorm
+    mlp_out_norm: np.ndarray | None = None  # (H,) Gemma's post_feedforward_layernorm
 
 
 class DecoderLM:
@@ -230,7 +254,8 @@ class DecoderLM:
             a.next = b
         self.eps = cfg.rms_norm_eps
         self.embed_scale = 1.0
-        self.unit_offset_norm = False
+        self.unit_offset_norm = False  # Gemma's RMSNorm scales by (1 + weight)
+        self.final_softcap = 0.0  # logits = cap * tanh(logits / cap) when set
 
     @property
     def moe_layers(self) -> list[MoE]:
@@ -244,14 +269,19 @@ class DecoderLM:
         o = rs.get("o", M, H)  # (M, H) block output
         ph = self.phases
         K.embed_rows(batch.ids, self.embed, x, self.embed_scale)
+        eps, unit = self.eps, self.unit_offset_norm
         for i, layer in enumerate(self.layers):
             t0 = clock()
-            K.rmsnorm(x, layer.input_norm, self.eps, h, self.unit_offset_norm)
+            K.rmsnorm(x, layer.input_norm, eps, h, unit)
             layer.attn(h, batch, i, rs, o)
+            if layer.attn_out_norm is not None:
+                K.rmsnorm(o, layer.attn_out_norm, eps, o, unit)
             x += o
             t1 = clock()
-            K.rmsnorm(x, layer.post_norm, self.eps, h, self.unit_offset_norm)
+            K.rmsnorm(x, layer.post_norm, eps, h, unit)
             layer.mlp(h, rs, o)
+            if layer.mlp_out_norm is not None:
+                K.rmsnorm(o, layer.mlp_out_norm, eps, o, unit)
             x += o
             ph["attention"] += t1 - t0
             ph["moe" if isinstance(layer.mlp, MoE) else "mlp"] += clock() - t1
@@ -262,18 +292,23 @@ class DecoderLM:
         K.rmsnorm(hr, self.norm, self.eps, hr, self.unit_offset_norm)
         logits = rs.get("logits", R, self.cfg.vocab_size)  # (R, V), valid until the next step
         self.lm_head(hr, logits, rs)
+        if self.final_softcap:
+            np.tanh(logits / self.final_softcap, out=logits)
+            logits *= self.final_softcap
         ph["lm_head"] += clock() - t0
         return logits
 
 
-def decoder_layers(cfg: ModelConfig, w: Weights, make_mlp, *, prefix: str = "model.layers",
+def decoder_layers(cfg: ModelConfig, w: Weights, make_mlp, *, prefix: str = "model.layers", attention=None,
                    **attn_options) -> list[Layer]:
-    """The standard pre-norm layer stack; ``make_mlp(i, prefix)`` builds layer i's MLP."""
+    """The standard pre-norm layer stack; ``make_mlp(i, prefix)`` builds layer i's MLP,
+    ``attention`` (default Attention) its attention, with ``layer=i`` and attn_options."""
     H = cfg.hidden_size
+    attention = attention or Attention
     return [
         Layer(
             input_norm=w(f"{prefix}.{i}.input_layernorm.weight", H),
-            attn=Attention(cfg, w, f"{prefix}.{i}.self_attn", **attn_options),
+            attn=attention(cfg, w, f"{prefix}.{i}.self_attn", layer=i, **attn_options),
             post_norm=w(f"{prefix}.{i}.post_attention_layernorm.weight", H),
             mlp=make_mlp(i, f"{prefix}.{i}"),
         )

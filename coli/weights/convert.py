@@ -50,8 +50,8 @@ class RecordingWeights(HFWeights):
         self._tick()
         return arr
 
-    def matrix(self, name, rows, cols, fmt=None):
-        m = super().matrix(name, rows, cols, fmt)
+    def matrix(self, name, rows, cols, fmt=None, row_order=None):
+        m = super().matrix(name, rows, cols, fmt, row_order)
         self.writer.add_matrix(name, m)
         self._tick()
         return m

@@ -204,7 +204,7 @@ class ConvertedWeights(Weights):
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None, row_order=None) -> K.QMatrix:
         e = self._entry(name)
         if e["kind"] != "matrix" or (e["rows"], e["cols"]) != (rows, cols):
             raise ModelLoadError(f"{self.dir / MANIFEST}: tensor {name!r} is not a ({rows}, {cols}) matrix")

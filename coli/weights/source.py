@@ -53,7 +53,11 @@ class Weights:
     def has(self, name: str) -> bool:
         raise NotImplementedError
 
-    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None,
+               row_order: np.ndarray | None = None) -> K.QMatrix:
+        """Matrix ``name`` in ``fmt`` (default: self.quant). ``row_order`` reorders a source
+        checkpoint's rows (e.g. interleaved RoPE dims into halves); a converted directory
+        already stores the reordered matrix and ignores it."""
         raise NotImplementedError
 
     def experts(self, prefix: str, sub: str, names: tuple[str, str, str], E: int, H: int, I: int, k: int):
@@ -68,11 +72,14 @@ class Weights:
     def close(self) -> None:
         """Release files and threads."""
 
-    def linear(self, name: str, rows: int, cols: int, bias: bool = False):
+    def linear(self, name: str, rows: int, cols: int, bias: bool = False, row_order: np.ndarray | None = None):
         from coli.models.base import Linear
 
         b = self(name.removesuffix(".weight") + ".bias", rows) if bias else None
-        return Linear(self.matrix(name, rows, cols), b)
+        if b is not None and row_order is not None:  # biases are stored as read, in both sources
+            b = np.ascontiguousarray(b[row_order])
+        return Linear(self.matrix(name, rows, cols, row_order=row_order), b)
+
 
 
 class HFWeights(Weights):
@@ -89,8 +96,12 @@ class HFWeights(Weights):
     def has(self, name: str) -> bool:
         return name in self.ckpt
 
-    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> K.QMatrix:
-        return quantize(self.ckpt.f32(name, (rows, cols)), fmt or self.quant)
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None,
+               row_order: np.ndarray | None = None) -> K.QMatrix:
+        w = self.ckpt.f32(name, (rows, cols))
+        if row_order is not None:
+            w = np.ascontiguousarray(w[row_order])
+        return quantize(w, fmt or self.quant)
 
     def expert_tensors(self, prefix: str, sub: str, names, E: int, H: int, I: int) -> Iterator[tuple]:
         """(gate (I, H), up (I, H), down (H, I)) float32 for each expert, from per-expert
