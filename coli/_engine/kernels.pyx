@@ -286,7 +286,8 @@ def moe_route_softmax(const float[:, ::1] logits, int k, bint renormalize, int32
 
 
 def moe_route_sigmoid(const float[:, ::1] logits, const float[::1] bias, int k, int n_group, int topk_group,
-                      bint renormalize, float scale, int32_t[:, ::1] idx, float[:, ::1] weights):
+                      bint renormalize, float scale, int32_t[:, ::1] idx, float[:, ::1] weights,
+                      float[:, ::1] scratch=None):
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; experts chosen by score + bias within
     the topk_group groups whose two best biased scores sum highest; weights are the
     unbiased scores of the chosen experts, renormalised if asked, times scale."""
@@ -297,10 +298,14 @@ def moe_route_sigmoid(const float[:, ::1] logits, const float[::1] bias, int k, 
         raise ValueError("moe_route_sigmoid: bad grouping")
     if idx.shape[0] != M or idx.shape[1] != k or weights.shape[0] != M or weights.shape[1] != k:
         raise ValueError("moe_route_sigmoid: shape mismatch")
-    cdef float[:, ::1] sc = np.empty((M, E), dtype=np.float32)      # sigmoid scores
-    cdef float[:, ::1] ch = np.empty((M, E), dtype=np.float32)      # scores for choice
-    cdef float[:, ::1] gsum = np.empty((M, n_group), dtype=np.float32)
-    cdef int32_t[:, ::1] gpick = np.empty((M, n_group), dtype=np.int32)
+    if scratch is None:
+        scratch = np.empty((M, 2 * E + 2 * n_group), dtype=np.float32)
+    if scratch.shape[0] < M or scratch.shape[1] < 2 * E + 2 * n_group:
+        raise ValueError("moe_route_sigmoid: scratch must be (M, 2*E + 2*n_group)")
+    cdef float[:, :] sc = scratch[:, :E]                    # sigmoid scores
+    cdef float[:, :] ch = scratch[:, E:2 * E]               # scores for choice
+    cdef float[:, :] gsum = scratch[:, 2 * E:2 * E + n_group]
+    cdef float[:, :] gpick = scratch[:, 2 * E + n_group:2 * E + 2 * n_group]
     for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
         for e in range(E):
             sc[m, e] = <float>(1.0 / (1.0 + exp(-logits[m, e])))

@@ -169,6 +169,7 @@ class MoE:
         self.router = w(f"{prefix}.{router}.weight", E, H)  # (E, H), f32
         self.groups, self.route_scale, self.shared = sigmoid_groups, scale, shared
         self.bias = w(f"{prefix}.{router}.e_score_correction_bias", E) if sigmoid_groups else None
+        self._route_scratch = np.empty((64, 2 * E + 2 * sigmoid_groups[0]) if sigmoid_groups else (0, 0), np.float32)
         self.experts = w.experts(prefix, experts, names, E, H, I, self.k)
         self.table = self.experts.table
         self.next: MoE | None = None  # the next MoE layer, whose experts this one prefetches
@@ -210,7 +211,11 @@ class MoE:
         if self.groups is None:
             K.moe_route_softmax(logits, self.k, self.renormalize, idx, wts)
         else:
-            K.moe_route_sigmoid(logits, self.bias, self.k, *self.groups, self.renormalize, self.route_scale, idx, wts)
+            scratch = self._route_scratch[: len(logits)]
+            if len(scratch) < len(logits):
+                self._route_scratch = scratch = np.empty((2 * len(logits), 2 * self.E + 2 * self.groups[0]), np.float32)
+            K.moe_route_sigmoid(logits, self.bias, self.k, *self.groups, self.renormalize, self.route_scale, idx, wts,
+                                scratch[: len(logits)])
 
     def _prefetch_next(self, x: np.ndarray, rs: RunState) -> None:
         """Guess the next MoE layer's experts from this layer's input and start reading them."""
