@@ -107,38 +107,56 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
         __m512 acc[MR][NR];                                                                        \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                          \
+        /* lane l of a step's vectors belongs to group 2s + pat[l] (see above) */                \
+        const __m512i pat = IS4 ? _mm512_and_si512(_mm512_srli_epi32(_mm512_set_epi32(             \
+                                      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2),   \
+                                                   _mm512_set1_epi32(1))                           \
+                                : _mm512_srli_epi32(_mm512_set_epi32(                              \
+                                      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);   \
         int b = 0;                                                                                 \
-        for (; b + 2 <= nb; b += 2) {                                                              \
-            __m512i w[NR];                                                                         \
-            __m512 ws[NR];                                                                         \
-            __mmask64 neg[NR];                                                                     \
-            /* the rows of the next tile, one cache line per row per step: they arrive          \
-               while this tile computes */                                                        \
+        for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
+            /* one chunk: up to 16 groups, their scales loaded once as vectors */                 \
+            int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
+            __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
+            __m512 wsv[NR], xsv[MR];                                                               \
+            __m512i bsv[MR];                                                                       \
             for (int j = 0; j < NR; j++)                                                           \
-                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
-            for (int j = 0; j < NR; j++) {                                                         \
-                if (IS4) {                                                                         \
-                    w[j] = coli_unpack_q4x2(wq + j * ldw + b * 16);                                \
-                } else {                                                                           \
-                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));      \
-                    neg[j] = _mm512_movepi8_mask(raw);                                             \
-                    w[j] = _mm512_abs_epi8(raw);                                                   \
-                }                                                                                  \
-                ws[j] = coli_pair_scale(coli_f16_to_f32(wd[j * ldd + b]),                          \
-                                        coli_f16_to_f32(wd[j * ldd + b + 1]), IS4);                \
-            }                                                                                      \
+                wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
             for (int i = 0; i < MR; i++) {                                                         \
-                __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));        \
-                if (IS4) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));                  \
-                const float *xd = a->qd + i * a->ldb + b;                                          \
-                __m512 xs = coli_pair_scale(xd[0], xd[1], IS4);                                    \
-                __m512i bs = IS4 ? coli_pair_sum(a->qs[i * a->ldb + b], a->qs[i * a->ldb + b + 1]) \
-                                 : _mm512_setzero_si512();                                         \
+                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
+                bsv[i] = IS4 ? _mm512_maskz_loadu_epi32(cm, a->qs + i * a->ldb + c0)               \
+                             : _mm512_setzero_si512();                                             \
+            }                                                                                      \
+            for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
+                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
+                __m512i w[NR];                                                                     \
+                __m512 ws[NR];                                                                     \
+                __mmask64 neg[NR];                                                                 \
+                /* the rows of the next tile, one cache line per row per step: they arrive      \
+                   while this tile computes */                                                    \
+                for (int j = 0; j < NR; j++)                                                       \
+                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
                 for (int j = 0; j < NR; j++) {                                                     \
-                    __m512i xx = IS4 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x); \
-                    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);             \
-                    if (IS4) d = _mm512_sub_epi32(d, bs);                                          \
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[j], xs), acc[i][j]); \
+                    if (IS4) {                                                                     \
+                        w[j] = coli_unpack_q4x2(wq + j * ldw + b * 16);                            \
+                    } else {                                                                       \
+                        __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));  \
+                        neg[j] = _mm512_movepi8_mask(raw);                                         \
+                        w[j] = _mm512_abs_epi8(raw);                                               \
+                    }                                                                              \
+                    ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
+                }                                                                                  \
+                for (int i = 0; i < MR; i++) {                                                     \
+                    __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));    \
+                    if (IS4) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));              \
+                    __m512 xs = _mm512_permutexvar_ps(sel, xsv[i]);                                \
+                    __m512i bs = IS4 ? _mm512_permutexvar_epi32(sel, bsv[i]) : _mm512_setzero_si512(); \
+                    for (int j = 0; j < NR; j++) {                                                 \
+                        __m512i xx = IS4 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x); \
+                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);         \
+                        if (IS4) d = _mm512_sub_epi32(d, bs);                                      \
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[j], xs), acc[i][j]); \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
