@@ -1,0 +1,100 @@
+"""How far each weight format moves a model from its f32 self.
+
+    python benchmarks/quant_quality.py [--model DIR | --synthetic olmoe-mini] [--prompts 8] [--tokens 32]
+
+For each format: the relative logit error ||q - f|| / ||f|| over all positions of the
+prompts, the mean KL divergence KL(f || q) of the next-token distributions, how often
+the top-1 token agrees, and how many greedy tokens agree before the first divergence
+(continuing from the same prompts, --tokens steps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+import coli
+from coli import synthetic
+
+
+def _softmax_log(x):
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def greedy(model, ids, n):
+    eng = model.engine
+    cache = eng.new_cache()
+    logits = eng.step([(cache, ids)])
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits[0])))
+        logits = eng.step([(cache, out[-1:])])
+    return out
+
+
+def measure(path, prompts, tokens, formats, head_quant=None):
+    ref = coli.load(path, quant="f32")
+    refs = [ref.forward(p) for p in prompts]
+    ref_greedy = [greedy(ref, p, tokens) for p in prompts]
+    rows = []
+    for fmt in formats:
+        m = coli.load(path, quant=fmt, head_quant=head_quant)
+        num = den = kl = top1 = n = agree = 0.0
+        for p, r, rg in zip(prompts, refs, ref_greedy):
+            q = m.forward(p)
+            num += float(((q - r) ** 2).sum())
+            den += float((r ** 2).sum())
+            lr, lq = _softmax_log(r), _softmax_log(q)
+            kl += float((np.exp(lr) * (lr - lq)).sum())
+            top1 += float((q.argmax(-1) == r.argmax(-1)).sum())
+            n += len(p)
+            g = greedy(m, p, tokens)
+            agree += next((i for i, (a, b) in enumerate(zip(g, rg)) if a != b), tokens)
+        rows.append({"format": fmt, "head": m.weights.head_quant, "rel_logit_error": (num / den) ** 0.5,
+                     "mean_kl": kl / n, "top1_agreement": top1 / n,
+                     "greedy_tokens_before_divergence": agree / len(prompts)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model")
+    ap.add_argument("--synthetic")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.synthetic:
+        path = synthetic.cache_dir() / f"{a.synthetic}-hf-s0"
+        if not (path / "config.json").exists():
+            synthetic.write_hf(a.synthetic, path)
+    else:
+        path = a.model or coli.api.resolve_model_path(None)
+    m = coli.load(path)
+    rng = np.random.default_rng(0)
+    if a.model or not a.synthetic:  # real text for a real model
+        texts = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a kind of 'tree'?",
+                 "What does 'harbor' mean?", "What is 'oak' a kind of?", "What does 'quick' mean?",
+                 "Give a synonym for 'happy'.", "What does 'mountain' mean?"][: a.prompts]
+        prompts = [m.prompt_ids(t) for t in texts]
+    else:
+        prompts = [rng.integers(2, m.config.vocab_size, a.prompt_tokens).tolist() for _ in range(a.prompts)]
+    rows = measure(path, prompts, a.tokens, ["bf16", "int8", "int4"])
+    rows += [dict(r, format="int4 (head int4)") for r in measure(path, prompts, a.tokens, ["int4"], head_quant="int4")]
+    if a.json:
+        print(json.dumps({"model": str(path), "rows": rows}, indent=1))
+        return
+    print(f"model {path}: {len(prompts)} prompts, greedy continuation of {a.tokens} tokens")
+    print("| format | head | relative logit error | mean KL(f32 ‖ q) | top-1 agreement | greedy tokens equal before divergence |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['format']} | {r['head']} | {r['rel_logit_error']:.2%} | {r['mean_kl']:.4f} | "
+              f"{r['top1_agreement']:.1%} | {r['greedy_tokens_before_divergence']:.1f} / {a.tokens} |")
+
+
+if __name__ == "__main__":
+    main()
