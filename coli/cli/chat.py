@@ -1,21 +1,39 @@
-"""`coli chat`: a conversation in the terminal, or one answer when piped.
+"""`coli chat`: the Textual app in a terminal, one answer when piped, a line REPL with --plain.
 
 Not a terminal (``echo "question" | coli chat``, or stdout redirected): the whole
-input is one user message and only the answer goes to stdout. In a terminal: a
-line REPL (prompt_toolkit) with history. Turns go through the shared scheduler in
-KV slot 0, so each turn only computes its new tokens, and a restarted chat that
-repeats the conversation reuses the saved prefix.
+input is one user message and only the answer goes to stdout. In a terminal: the
+Textual app (coli.tui) with live routing and profiling panes; ``--plain`` is a line
+REPL (prompt_toolkit) instead. Turns go through the shared scheduler, one
+conversation per KV slot, so each turn only computes its new tokens, and a restarted
+chat that repeats the conversation reuses the saved prefix. ``--url`` talks to a
+running ``coli serve`` instead of loading a model.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
 
 from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
+from coli.errors import ColiError
+from coli.scheduler.events import Error, ReasoningDelta, TextDelta
 
-HELP = "Commands: /clear (new conversation), /system TEXT, /help, /quit (or Ctrl-D). Ctrl-C stops an answer."
+HELP = ("Commands: /clear (new conversation), /system TEXT, /help, /quit (or Ctrl-D). "
+        "Alt-Enter (Esc, Enter) starts a new line; Ctrl-C stops an answer.")
+HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"
+
+PlainOpt = Annotated[bool, typer.Option("--plain", help="A line REPL (prompt_toolkit) instead of the full-screen app.")]
+UrlOpt = Annotated[Optional[str], typer.Option(
+    "--url", envvar="COLI_URL", show_envvar=True,
+    help="Chat with a running `coli serve` (e.g. http://127.0.0.1:8000) instead of loading a model.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="COLI_API_KEY", show_envvar=True, help="The server's API key (with --url).")]
+SlotsOpt = Annotated[int, typer.Option(
+    "--slots", min=1, help="KV slots to switch between in the app, one conversation each (F5, /slot N).")]
 
 
 @user_errors
@@ -34,11 +52,15 @@ def chat(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    plain: PlainOpt = False,
+    slots: SlotsOpt = 4,
+    url: UrlOpt = None,
+    api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with a model (the built-in one by default).
 
-    In a terminal: a conversation with history. Piped: `echo "What does 'ocean' mean?" | coli chat`
-    prints only the answer."""
+    In a terminal: a full-screen chat with live expert routing and profiling panes (`--plain`:
+    a line REPL). Piped: `echo "What does 'ocean' mean?" | coli chat` prints only the answer."""
     piped = not (sys.stdin.isatty() and sys.stdout.isatty())
     prompt = None
     if piped:
@@ -47,31 +69,97 @@ def chat(
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise fail("the prompt on stdin is empty")
+    if url is not None:
+        _remote(url, api_key, piped, prompt, plain, system, max_tokens,
+                {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).items()
+                 if v is not None})
+        return
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
-        def answer(messages):
-            ids = m.prompt_ids(messages)
-            yield from runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0)
-
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots) as runner:
         if piped:
-            for piece in answer(messages_for(prompt.strip(), system)):
+            ids = m.prompt_ids(messages_for(prompt.strip(), system))
+            for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
         else:
-            _repl(m, system, answer)
+            from coli.tui.backend import LocalBackend
+
+            backend = LocalBackend(m, runner, max_tokens=max_tokens, sampling=sampling)
+            if plain:
+                _repl(backend, system)
+            else:
+                _app(backend, system)
     m.close()
 
 
-def _repl(m, system: str | None, answer) -> None:
+def _remote(url, api_key, piped, prompt, plain, system, max_tokens, sampling) -> None:
+    from coli.tui.backend import RemoteBackend
+
+    backend = RemoteBackend(url, api_key, max_tokens=max_tokens, sampling=sampling)
+    if piped:
+        for ev in backend.stream(messages_for(prompt.strip(), system), 0):
+            if isinstance(ev, TextDelta):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, Error):
+                raise ColiError(ev.message)
+        sys.stdout.write("\n")
+    elif plain:
+        _repl(backend, system)
+    else:
+        _app(backend, system)
+
+
+def _app(backend, system) -> None:
+    from coli.tui.app import ChatApp
+
+    ChatApp(backend, system=system).run()
+
+
+def _answer(backend, messages) -> tuple[str, bool]:
+    """Stream one answer to stdout; Ctrl-C stops it. Returns (text, stopped)."""
+    parts, thinking = [], False
+    stream = backend.stream(messages, 0)
+    try:
+        for ev in stream:
+            if isinstance(ev, ReasoningDelta):
+                if not thinking:
+                    thinking = True
+                sys.stdout.write(f"\x1b[2m{ev.text}\x1b[0m")
+            elif isinstance(ev, TextDelta):
+                if thinking:
+                    thinking = False
+                    sys.stdout.write("\n")
+                parts.append(ev.text)
+                sys.stdout.write(ev.text)
+            elif isinstance(ev, Error) and ev.code != "cancelled":
+                raise ColiError(ev.message)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        backend.cancel()
+        stream.close()
+        stderr.print("\n[dim](stopped)[/]")
+        return "".join(parts), True
+    return "".join(parts), False
+
+
+def _repl(backend, system: str | None) -> None:
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
 
-    history = Path.home() / ".cache" / "coli" / "chat_history"
-    history.parent.mkdir(parents=True, exist_ok=True)
-    session = PromptSession(history=FileHistory(str(history)))
-    stderr.print(f"[dim]{m!r}[/]\n[dim]{HELP}[/]")
+    HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
+    keys = KeyBindings()
+
+    @keys.add("escape", "enter")
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    session = PromptSession(history=FileHistory(str(HISTORY_FILE)), key_bindings=keys,
+                            prompt_continuation=lambda width, *_: "." * (width - 1) + " ")
+    stderr.print(f"[dim]{backend.name}[/]\n[dim]{HELP}[/]")
     messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
@@ -97,13 +185,6 @@ def _repl(m, system: str | None, answer) -> None:
                 [x for x in messages if x["role"] != "system"]
             continue
         messages.append({"role": "user", "content": text})
-        parts = []
-        try:
-            for piece in answer(messages):
-                parts.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            stderr.print("\n[dim](stopped)[/]")
+        answer, _ = _answer(backend, messages)
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(parts)})
+        messages.append({"role": "assistant", "content": answer})

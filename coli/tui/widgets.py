@@ -1,0 +1,195 @@
+"""The chat's widgets: the transcript's messages, the prompt with history, and the
+routing and profiling panes. Rendering of the panes is in pure functions
+(``render_routing``, ``render_profile``) so tests can compare their text."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widgets import Collapsible, Input, Markdown, Sparkline, Static
+
+from coli.tui.grid import TIER_DISK, TIER_NAMES, TIER_PINNED, TIER_RAM, TIER_RGB, ExpertGrid, Flash, cell_colors
+from coli.tui.stats import PHASES, History, TurnStats, bar_widths
+
+CELL = "■"
+NO_EXPERTS = "This model is dense: it has no experts to route."
+
+
+def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40) -> Text:
+    """One row per MoE layer (wrapped when the experts outnumber the width), a legend."""
+    if grid is None or grid.empty:
+        return Text(NO_EXPERTS, style="italic")
+    rows, cols = grid.shape
+    label = len(str(rows - 1)) + 2  # "L7 "
+    per_line = max(4, width - label)
+    colors = cell_colors(grid, flash)
+    out = Text(no_wrap=True)
+    for r in range(rows):
+        for start in range(0, cols, per_line):
+            out.append((f"L{r}" if start == 0 else "").ljust(label), style="dim")
+            for c in range(start, min(cols, start + per_line)):
+                out.append(CELL, style=colors[r][c])
+            out.append("\n")
+    for t in (TIER_PINNED, TIER_RAM, TIER_DISK):
+        out.append(CELL, style="#%02x%02x%02x" % TIER_RGB[t])
+        out.append(f" {TIER_NAMES[t]}  ")
+    out.append("\nbright = hot · white = just routed", style="dim")
+    return out
+
+
+def render_profile(turn: TurnStats | None, width: int = 40) -> Text:
+    """The last turn's time split as one bar, then a legend with seconds and shares."""
+    if turn is None:
+        return Text("No answer yet: the time split of each turn shows here.", style="italic")
+    out = Text(no_wrap=True)
+    bar = max(10, width)
+    for (_, _, colour, _), n in zip(turn.split(), bar_widths(turn, bar)):
+        out.append("█" * n, style=colour)
+    out.append("\n")
+    total = sum(s for *_, s in turn.split()) or 1.0
+    for key, label, colour, secs in turn.split():
+        out.append("█ ", style=colour)
+        out.append(f"{label:<16}{secs * 1000:8.1f} ms {secs / total:4.0%}\n")
+    tps = turn.tokens_per_second
+    out.append(f"{turn.completion_tokens} tokens", style="bold")
+    out.append(f" · {tps:.1f} tok/s" if tps else "")
+    if turn.ttft is not None:
+        out.append(f" · TTFT {turn.ttft * 1000:.0f} ms")
+    return out
+
+
+class RoutingPane(Static):
+    """Live routing: one cell per expert per layer."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.grid: ExpertGrid | None = None
+        self.flash = Flash()
+        self.border_title = "Routing"
+
+    def show_grid(self, grid: ExpertGrid | None, idle_decay: float = 1.0) -> None:
+        """Draw a new reading of the experts."""
+        self.grid = grid
+        if grid is not None:
+            self.flash.update(grid, idle_decay)
+        self.update(render_routing(grid, self.flash.value, max(10, self.content_size.width or 40)))
+
+    def on_resize(self) -> None:
+        """Rewrap the rows."""
+        self.show_grid(self.grid)
+
+
+class ProfilePane(Vertical):
+    """The last turn's time split and the tok/s of the last 30 turns."""
+
+    def compose(self):
+        yield Static(render_profile(None), id="split")
+        yield Static("tok/s, last 30 turns", id="speed-label", classes="dim")
+        yield Sparkline([], id="speed")
+
+    def on_mount(self) -> None:
+        self.border_title = "Profile"
+
+    def show(self, history: History) -> None:
+        """Draw the latest turn and the speed history."""
+        width = max(10, self.content_size.width or 40)
+        self.query_one("#split", Static).update(render_profile(history.last, width))
+        speeds = history.speeds()
+        label = f"tok/s, last {len(speeds)} turns" + (f": {min(speeds):.1f}…{max(speeds):.1f}" if speeds else "")
+        self.query_one("#speed-label", Static).update(label)
+        self.query_one("#speed", Sparkline).data = speeds
+
+
+class MessageView(Vertical):
+    """One message of the transcript; an assistant's has a collapsible reasoning block."""
+
+    def __init__(self, role: str, content: str = "", reasoning: str = "", note: str = "", **kw):
+        super().__init__(classes=f"message {role}", **kw)
+        self.role, self.content, self.reasoning, self.note = role, content, reasoning, note
+        self._dirty = False
+
+    def compose(self):
+        if self.role == "assistant":
+            with Collapsible(title="Reasoning", collapsed=not self.app.show_reasoning, classes="reasoning") as c:
+                c.display = bool(self.reasoning)
+                yield Static(self.reasoning, classes="reasoning-text")
+            yield Markdown(self.content, classes="content")
+        else:
+            yield Static(Text(("› " if self.role == "user" else "") + self.content), classes="content")
+        yield Static(self.note, classes="note")
+
+    def append(self, text: str = "", reasoning: str = "") -> None:
+        """Add streamed text; the screen catches up on the next flush."""
+        self.content += text
+        self.reasoning += reasoning
+        self._dirty = True
+
+    def flush(self) -> bool:
+        """Redraw what streamed in since the last flush; True if anything did."""
+        if not self._dirty or not self.is_mounted:
+            return False
+        self._dirty = False
+        if self.role == "assistant":
+            block = self.query_one(Collapsible)
+            if self.reasoning:
+                block.display = True
+                block.query_one(".reasoning-text", Static).update(self.reasoning)
+            self.query_one(Markdown).update(self.content)
+        return True
+
+    def set_note(self, note: str) -> None:
+        self.note = note
+        if self.is_mounted:
+            self.query_one(".note", Static).update(note)
+
+
+class PromptInput(Input):
+    """The message input, with Up/Down through earlier messages (shared with --plain)."""
+
+    BINDINGS = [Binding("up", "older", "Older", show=False), Binding("down", "newer", "Newer", show=False)]
+    position = reactive(0)
+
+    def __init__(self, history_file: Path | None = None, **kw):
+        super().__init__(**kw)
+        self.history_file = history_file
+        self.entries: list[str] = []
+        if history_file is not None and history_file.exists():
+            from prompt_toolkit.history import FileHistory
+
+            self.entries = list(reversed(list(FileHistory(str(history_file)).load_history_strings())))[-500:]
+        self.position = len(self.entries)
+
+    def remember(self, text: str) -> None:
+        """Keep a sent line for Up/Down (and in the history file)."""
+        if text and (not self.entries or self.entries[-1] != text):
+            self.entries.append(text)
+            if self.history_file is not None:
+                from prompt_toolkit.history import FileHistory
+
+                try:
+                    self.history_file.parent.mkdir(parents=True, exist_ok=True)
+                    FileHistory(str(self.history_file)).store_string(text)
+                except OSError:
+                    pass
+        self.position = len(self.entries)
+
+    def action_older(self) -> None:
+        """Show the previous line."""
+        if self.position > 0:
+            self.position -= 1
+            self.value = self.entries[self.position]
+            self.cursor_position = len(self.value)
+
+    def action_newer(self) -> None:
+        """Show the next line (or an empty input)."""
+        if self.position < len(self.entries):
+            self.position += 1
+            self.value = self.entries[self.position] if self.position < len(self.entries) else ""
+            self.cursor_position = len(self.value)
+
+
+__all__ = ["MessageView", "ProfilePane", "PromptInput", "RoutingPane", "render_profile", "render_routing",
+           "NO_EXPERTS", "PHASES"]
