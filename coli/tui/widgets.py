@@ -69,17 +69,24 @@ class RoutingPane(Static):
         self.grid: ExpertGrid | None = None
         self.flash = Flash()
         self.border_title = "Routing"
+        self._drawn = None  # what the screen shows: (seq, flash sum, width, heat sum)
 
-    def show_grid(self, grid: ExpertGrid | None, idle_decay: float = 1.0) -> None:
-        """Draw a new reading of the experts."""
+    def show_grid(self, grid: ExpertGrid | None, idle_decay: float = 1.0, force: bool = False) -> None:
+        """Draw a new reading of the experts (only when something changed)."""
         self.grid = grid
         if grid is not None:
             self.flash.update(grid, idle_decay)
-        self.update(render_routing(grid, self.flash.value, max(10, self.content_size.width or 40)))
+        width = max(10, self.content_size.width or 40)
+        key = None if grid is None else (grid.seq, float(self.flash.value.sum()), int(grid.heat.sum()),
+                                         grid.tiers.tobytes())
+        if not force and self._drawn == (key, width):
+            return
+        self._drawn = (key, width)
+        self.update(render_routing(grid, self.flash.value, width))
 
     def on_resize(self) -> None:
         """Rewrap the rows."""
-        self.show_grid(self.grid)
+        self.show_grid(self.grid, force=True)
 
 
 class ProfilePane(Vertical):
