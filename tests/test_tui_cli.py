@@ -134,3 +134,24 @@ def test_plain_repl_answers_and_quits_on_ctrl_d(hf_models, tmux, tmp_path):
     tmux.keys("C-d")
     screen = tmux.wait_for(lambda s: "EXIT=" in s, timeout=30, what="exit")
     assert "EXIT=0" in screen
+
+
+def test_plain_ctrl_c_stops_the_answer_not_the_repl(capsys):
+    from coli.cli.chat import _answer
+    from coli.scheduler.events import TextDelta
+
+    class Interrupted:
+        cancelled = False
+
+        def stream(self, messages, slot):
+            yield TextDelta("one ")
+            yield TextDelta("two ")
+            raise KeyboardInterrupt  # what Ctrl-C does to the reading loop
+
+        def cancel(self):
+            self.cancelled = True
+
+    b = Interrupted()
+    text, stopped = _answer(b, [{"role": "user", "content": "hi"}])
+    assert (text, stopped, b.cancelled) == ("one two ", True, True)
+    assert capsys.readouterr().out == "one two "

@@ -83,6 +83,8 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.routing, self.profile = self.query_one(RoutingPane), self.query_one(ProfilePane)
+        self.transcript = self.query_one("#transcript", VerticalScroll)
         self._info = self.backend.info()
         self.sub_title = self._info.get("model", "")
         self.refresh_status()
@@ -171,8 +173,10 @@ class ChatApp(App):
             view.set_note(f"slot {ev.slot} · {ev.cached_tokens}/{ev.prompt_tokens} prompt tokens cached"
                           if ev.prompt_tokens else "")
         elif isinstance(ev, TurnStats):
+            self._info = self.backend.info()  # resident memory moves as experts stream in
             self.history.add(ev)
-            self.query_one(ProfilePane).show(self.history)
+            if self.profile.is_attached:
+                self.profile.show(self.history)
             tps = ev.tokens_per_second
             view.set_note(f"{ev.completion_tokens} tokens" + (f" · {tps:.1f} tok/s" if tps else ""))
             self.refresh_status()
@@ -196,8 +200,8 @@ class ChatApp(App):
 
     def flush_views(self) -> None:
         """Redraw streamed text (at most 20 times a second)."""
-        if any(v.flush() for v in self._views[-2:]):
-            self.query_one("#transcript").scroll_end(animate=False)
+        if any(v.flush() for v in self._views[-2:]) and self.transcript.is_attached:
+            self.transcript.scroll_end(animate=False)
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -336,12 +340,12 @@ class ChatApp(App):
 
     def refresh_panes(self) -> None:
         """Read the experts again (a worker does it for a server)."""
-        if not self.show_routing:
+        if not self.show_routing or not self.routing.is_attached:
             return
         if self.backend.remote:
             self.poll_server()
         else:
-            self.query_one(RoutingPane).show_grid(self.backend.grid(), idle_decay=0.85)
+            self.routing.show_grid(self.backend.grid(), idle_decay=0.85)
 
     @work(thread=True, exclusive=True, group="poll")
     def poll_server(self) -> None:
@@ -351,7 +355,7 @@ class ChatApp(App):
         except ColiError:
             return
         try:
-            self.call_from_thread(self.query_one(RoutingPane).show_grid, grid, 0.85)
+            self.call_from_thread(self.routing.show_grid, grid, 0.85)
         except RuntimeError:
             pass
 
