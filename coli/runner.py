@@ -17,18 +17,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError
 from coli.kv.format import Layout
 from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_format
 from coli.metrics import SchedulerMetrics
-from coli.sampling import Sampler, SamplingParams
+from coli.sampling import Sampler, SamplingParams, logprobs as log_softmax
 from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
-from coli.scheduler.events import Error, Finished, Profile, Routing, Started, TextDelta, Usage
+from coli.scheduler.events import (Error, Finished, Profile, PromptLogprobs, Routing, Started, TextDelta, TokenLogprob,
+                                   Usage)
 from coli.scheduler.stream import RequestHandle
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer
@@ -101,6 +104,13 @@ class _Generation:
     stops: StopMatcher
     detok: IncrementalDetokenizer
     routing: bool
+    parser: object | None = None  # turns text into events (coli.chat_format.OutputParser)
+    stop_ids: frozenset[int] = frozenset()  # role markers: stop, unless no text came yet
+    logprobs: int | None = None  # None: off; n: the sampled token's logprob and the n likeliest
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids, values) added to the logits
+    score_from: int | None = None  # a scoring request: logprobs of prompt[score_from:], no generation
+    scores: list[float] = field(default_factory=list)
+    text_seen: bool = False  # non-whitespace text was produced
     generated: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -135,6 +145,7 @@ class Runner:
         self.store = self._open_store(kv_dir) if persist else None
         histories = self._restore()
         self.metrics = metrics or SchedulerMetrics()
+        self.steps = 0  # engine steps run (front ends use it to tell what changed)
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
         self._thread.start()
@@ -143,28 +154,73 @@ class Runner:
 
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: str | Sequence[str] | None = None, cache_slot: int | None = None, routing: bool = False,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, ignore_leading_stop: bool = False,
+               stop_token_ids: Collection[int] = (), logprobs: int | None = None,
+               logit_bias: Mapping[int, float] | None = None, parser=None) -> RequestHandle:
         """Queue a generation for prompt token ids; returns its handle at once.
 
         Raises (before any event) InvalidRequestError for bad input,
         ContextLengthExceededError, QueueFullError or SchedulerClosedError.
         ``sampling`` defaults to the model's generation_config.json (greedy unless it
-        samples); ``routing`` adds a Routing event per step with the experts chosen."""
-        ids = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
+        samples); ``routing`` adds a Routing event per step with the experts chosen.
+
+        ``ignore_leading_stop``: stop strings before any non-whitespace text are dropped
+        instead of ending it. ``stop_token_ids`` end the generation like the model's
+        end-of-turn tokens, except before the first non-whitespace text (a template's role
+        marker written first is skipped). ``logprobs``: put a TokenLogprob event with the
+        ``logprobs`` likeliest alternatives before each token's text. ``logit_bias``:
+        added to those token ids' logits before sampling. ``parser``: an object with
+        ``push(text) -> events``, ``finish() -> events``, ``done`` (stop now) and
+        ``finish_reason(reason)``, e.g. coli.chat_format.OutputParser, that turns the text
+        into reasoning, text and tool-call events."""
+        ids = self._check_prompt(prompt)
         if sampling is None:
             sampling = self.model.sampling_params()
         sampling.validate()
+        vocab = self.model.config.vocab_size
+        if logprobs is not None and not 0 <= int(logprobs) <= vocab:
+            raise InvalidRequestError(f"logprobs must be from 0 to {vocab}, got {logprobs!r}")
+        bias = None
+        if logit_bias:
+            keys = np.fromiter((int(k) for k in logit_bias), dtype=np.int64, count=len(logit_bias))
+            if keys.min() < 0 or keys.max() >= vocab:
+                raise InvalidRequestError(f"logit_bias: token ids must lie in 0..{vocab - 1}")
+            bias = (keys, np.fromiter((float(v) for v in logit_bias.values()), dtype=np.float32, count=len(keys)))
         req = Request(ids, int(max_tokens), cache_slot)
         if request_id is not None:
             req.request_id = request_id
         handle = RequestHandle(req, self.scheduler.cancel)
-        req.payload = _Generation(handle, Sampler(sampling), StopMatcher(stop), IncrementalDetokenizer(self.tokenizer),
-                                  routing)
+        req.payload = _Generation(handle, Sampler(sampling), StopMatcher(stop, ignore_leading_stop),
+                                  IncrementalDetokenizer(self.tokenizer), routing, parser=parser,
+                                  stop_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs, bias=bias)
         self.scheduler.add_request(req)
         return handle
+
+    def score(self, prompt: Sequence[int], start: int, *, cache_slot: int | None = None,
+              request_id: str | None = None) -> RequestHandle:
+        """Read the log-probability of each of ``prompt[start:]`` given the tokens before
+        it, generating nothing: the handle yields Started, PromptLogprobs, Profile, Usage
+        (0 completion tokens), Finished. A slot holding ``prompt[:start]`` is reused, so
+        scoring several endings of one prefix in one slot computes the prefix once.
+        Raises like ``submit``."""
+        ids = self._check_prompt(prompt)
+        if not 1 <= start < len(ids):
+            raise InvalidRequestError(f"score: start must be from 1 to {len(ids) - 1}, got {start}")
+        req = Request(ids, 1, cache_slot, reuse_limit=start - 1)  # the logits at start-1 score ids[start]
+        if request_id is not None:
+            req.request_id = request_id
+        handle = RequestHandle(req, self.scheduler.cancel)
+        req.payload = _Generation(handle, Sampler(SamplingParams(temperature=0)), StopMatcher(),
+                                  IncrementalDetokenizer(self.tokenizer), False, score_from=start)
+        self.scheduler.add_request(req)
+        return handle
+
+    def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
+        return ids
 
     def generate(self, prompt: Sequence[int], **kwargs) -> Iterator[str]:
         """Blocking text pieces of one request (``submit``'s arguments); raises its error."""
@@ -262,9 +318,13 @@ class Runner:
                 raise RuntimeError(f"slot {s.slot}: the cache holds {len(cache)} tokens, the plan needs {s.start}")
             cache.truncate(s.start)
             entries.append((cache, s.tokens))
+        # a scoring request needs the logits of every scored position, not only the last
+        scoring = any(s.request.payload.score_from is not None
+                      and s.start + len(s.tokens) >= s.request.payload.score_from for s in plan.seqs)
         t0 = time.perf_counter()
-        logits = self.engine.step(entries)  # (len(entries), vocab)
+        logits = self.engine.step(entries, all_logits=scoring)  # (entries or tokens, vocab)
         seconds = time.perf_counter() - t0
+        self.steps += 1
         stats = self.engine.last
         routed = stats.routed
         phases = {field_: getattr(stats, attr, 0) for attr, field_ in PHASES.items()}
@@ -284,27 +344,62 @@ class Runner:
                 experts = tuple(tuple(tuple(int(e) for e in r) for r in layer[row: row + len(s.tokens)])
                                 for layer in routed)
                 g.handle.put(Routing(plan.step, experts))
+            last = row + len(s.tokens) - 1 if scoring else i
+            if g.score_from is not None and scoring:
+                self._score(req, s, logits[row: row + len(s.tokens)])
             row += len(s.tokens)
             if s.sample and not req.cancel_requested:
-                outputs[req.request_id] = self._sample(req, logits[i])
+                outputs[req.request_id] = (SeqOutput(None, "stop") if g.score_from is not None
+                                           else self._sample(req, logits[last]))
         return self.scheduler.update_from_output(plan, outputs)
+
+    def _score(self, req: Request, s, rows) -> None:
+        """Log-probabilities of the prompt tokens that ``rows`` (the logits of s.tokens) predict."""
+        g, prompt = req.payload, req.prompt
+        for j in range(len(s.tokens)):
+            pos = s.start + j  # this row predicts prompt[pos + 1]
+            if g.score_from - 1 <= pos < len(prompt) - 1:
+                x = rows[j].astype(np.float64)  # (V,)
+                m = x.max()
+                g.scores.append(float(x[prompt[pos + 1]] - m - np.log(np.exp(x - m).sum())))
 
     def _sample(self, req: Request, logits) -> SeqOutput:
         g = req.payload
+        raw = logits
+        if g.bias is not None:
+            logits = logits.copy()
+            logits[g.bias[0]] += g.bias[1]
         try:
             tok = g.sampler.sample(logits, g.generated)
         except Exception as e:
             return SeqOutput(error=f"sampling failed: {e}")
         if tok in self.model.eos_ids:
             return SeqOutput(None, "stop")
+        if tok in g.stop_ids and g.text_seen:
+            return SeqOutput(None, "stop")
         g.generated.append(tok)
+        if g.logprobs is not None:
+            g.handle.put(_token_logprob(raw, tok, g.logprobs))
         piece = g.detok.push(tok)
         if piece:  # the spec's first output is observed before stop filtering
             self.scheduler.note_first_output(req)
         text, stopped = g.stops.push(piece)
-        if text:
-            g.handle.put(TextDelta(text))
+        self._emit(g, text)
+        if g.parser is not None and g.parser.done:
+            stopped = True
         return SeqOutput(tok, "stop" if stopped else None)
+
+    @staticmethod
+    def _emit(g: _Generation, text: str) -> None:
+        if not text:
+            return
+        if not g.text_seen and text.strip():
+            g.text_seen = True
+        if g.parser is None:
+            g.handle.put(TextDelta(text))
+        else:
+            for ev in g.parser.push(text):
+                g.handle.put(ev)
 
     def _on_change(self, req: Request) -> None:
         """The scheduler admitted or ended ``req`` (called under its lock)."""
@@ -317,11 +412,26 @@ class Runner:
             if piece:
                 self.scheduler.note_first_output(req)
             text, _ = g.stops.push(piece)
-            tail = text + g.stops.flush()
-            if tail:
-                put(TextDelta(tail))
+            self._emit(g, text + g.stops.flush())
+            reason = req.finish_reason
+            if g.parser is not None:
+                for ev in g.parser.finish():
+                    put(ev)
+                reason = g.parser.finish_reason(reason)
+            if g.score_from is not None:
+                put(PromptLogprobs(tuple(g.scores)))
             put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases))
             put(Usage(len(req.prompt), req.generated, req.cached_tokens, req.queue_wait))
-            put(Finished(req.finish_reason))
+            put(Finished(reason, g.stops.stopped))
         elif req.error is not None:
             put(Error(req.error.code, str(req.error)))
+
+
+def _token_logprob(logits, tok: int, n: int) -> TokenLogprob:
+    lp = log_softmax(logits)  # (V,)
+    top = ()
+    if n:
+        best = np.argpartition(lp, len(lp) - n)[len(lp) - n:] if n < len(lp) else np.arange(len(lp))
+        best = best[np.lexsort((best, -lp[best]))]  # most likely first, ties by id
+        top = tuple((int(t), float(lp[t])) for t in best)
+    return TokenLogprob(int(tok), float(lp[tok]), top)

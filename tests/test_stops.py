@@ -40,3 +40,25 @@ def test_no_stops_passes_everything():
 def test_empty_stop_is_refused():
     with pytest.raises(InvalidRequestError):
         StopMatcher([""])
+
+
+def run_leading(stops, pieces):
+    m = StopMatcher(stops, ignore_leading=True)
+    out, done = [], False
+    for p in pieces:
+        text, done = m.push(p)
+        out.append(text)
+        if done:
+            break
+    if not done:
+        out.append(m.flush())
+    return "".join(out), m.stopped
+
+
+def test_leading_stops_are_dropped_when_asked():
+    assert run_leading(["<|user|>"], ["<|us", "er|>", "\nHello", " <|user|> more"]) == ("\nHello ", "<|user|>")
+    assert run_leading(["<|user|>"], ["  <|user|><|user|>", "Hi"]) == ("  Hi", None)
+    # without the option a leading stop ends the text at once
+    assert run(["<|user|>"], ["<|user|>Hi"])[0] == ""
+    # a stop after real content still stops
+    assert run_leading(["STOP"], ["ok", " STOP", "x"]) == ("ok ", "STOP")

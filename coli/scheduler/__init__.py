@@ -7,13 +7,13 @@ to a loaded model and is what front ends use.
 from coli.scheduler.core import (Request, ScheduledSeq, Scheduler, SchedulerConfig, SeqOutput, Status,
                                  StepPlan)
 from coli.scheduler.events import (ContextLengthExceededError, EngineError, Error, Event, Finished, Profile,
-                                   QueueFullError, QueueTimeoutError, ReasoningDelta, RequestCancelledError,
-                                   Routing, SchedulerClosedError, SchedulerError, Started, TextDelta,
-                                   ToolCallDelta, Usage)
+                                   PromptLogprobs, QueueFullError, QueueTimeoutError, ReasoningDelta,
+                                   RequestCancelledError, Routing, SchedulerClosedError, SchedulerError, Started,
+                                   TextDelta, TokenLogprob, ToolCallDelta, Usage)
 
 __all__ = [
     "Request", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SeqOutput", "Status", "StepPlan",
-    "ContextLengthExceededError", "EngineError", "Error", "Event", "Finished", "Profile", "QueueFullError",
-    "QueueTimeoutError", "ReasoningDelta", "RequestCancelledError", "Routing", "SchedulerClosedError",
-    "SchedulerError", "Started", "TextDelta", "ToolCallDelta", "Usage",
+    "ContextLengthExceededError", "EngineError", "Error", "Event", "Finished", "Profile", "PromptLogprobs",
+    "QueueFullError", "QueueTimeoutError", "ReasoningDelta", "RequestCancelledError", "Routing",
+    "SchedulerClosedError", "SchedulerError", "Started", "TextDelta", "TokenLogprob", "ToolCallDelta", "Usage",
 ]

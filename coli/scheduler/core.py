@@ -103,6 +103,7 @@ class Request:
     cache_slot: int | None = None
     payload: Any = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    reuse_limit: int | None = None  # reuse at most this many cached prompt tokens (scoring needs the rest's logits)
 
     status: Status = Status.WAITING
     arrival: float = 0.0
@@ -426,6 +427,8 @@ class Scheduler:
         self.slots.touch(slot)
         req.slot, req.status, req.admitted_at = slot.index, Status.RUNNING, now
         req.cached_tokens = req.fed = slot.reusable(req.prompt)
+        if req.reuse_limit is not None:
+            req.cached_tokens = req.fed = max(0, min(req.cached_tokens, req.reuse_limit))
         self.running.append(req)
         self.counts["admitted"] += 1
         m = self.metrics

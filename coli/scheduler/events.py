@@ -98,6 +98,26 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (its raw logits, before
+    penalties, temperature and filters) and the ``top`` likeliest tokens as (id,
+    logprob), most likely first. Put before the text the token produces (which stop
+    strings and markers may hold back or hide)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A scoring request's answer (``Runner.score``): the log-probability of each
+    scored prompt token given the tokens before it."""
+
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Routing:
     """Experts chosen for this request's tokens in one step: experts[layer][token] = ids."""
 
@@ -138,7 +158,10 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" (end of turn or a stop string) | "length" (max_tokens or the context)
+    # "stop" (end of turn or a stop string) | "length" (max_tokens or the context); with an
+    # output parser also "tool_calls" | "malformed_tool_call" (see coli.chat_format)
+    finish_reason: str
+    stop: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass(frozen=True)
@@ -150,4 +173,5 @@ class Error:
         return ERRORS.get(self.code, SchedulerError)(self.message)
 
 
-Event = Started | TextDelta | ReasoningDelta | ToolCallDelta | Routing | Profile | Usage | Finished | Error
+Event = (Started | TextDelta | ReasoningDelta | ToolCallDelta | TokenLogprob | PromptLogprobs | Routing | Profile
+         | Usage | Finished | Error)
