@@ -187,18 +187,22 @@ class ClusterRunner:
         return self._start(ids, dict(score_start=start, cache_slot=cache_slot), cache_slot, None, None, request_id)
 
     def close(self, timeout: float | None = 30.0) -> None:
+        """Cancel what runs (each request ends with a ``cancelled`` error), stop the router."""
         if self.closed:
             return
         self.closed = True
-        for task in list(self.tasks.values()):
-            self.loop.call_soon_threadsafe(task.cancel)
-        self._beat.cancel()
-        deadline = time.monotonic() + (timeout or 0)
-        while self.tasks and time.monotonic() < deadline:
-            time.sleep(0.02)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         self.catalog.close()
+
+    async def _shutdown(self) -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> ClusterRunner:
         return self
