@@ -11,6 +11,7 @@ from coli.cli.chat import chat
 from coli.cli.convert import convert
 from coli.cli.kv import app as kv_app
 from coli.cli.run import run
+from coli.cli.serve import serve
 
 app = typer.Typer(
     name="coli",
@@ -24,6 +25,7 @@ app.command()(run)
 app.command()(chat)
 app.command()(convert)
 app.command()(bench)
+app.command()(serve)
 app.add_typer(kv_app, name="kv")
 
 

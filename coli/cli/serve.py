@@ -1,0 +1,112 @@
+"""`coli serve`: the OpenAI- and Anthropic-compatible HTTP server."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from coli.cli.common import (CtxOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt, ThreadsOpt,
+                             load_model, load_options, stderr, user_errors)
+
+
+@user_errors
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", envvar="COLI_HOST", show_envvar=True,
+                                      help="Address to listen on. Keep 127.0.0.1 unless you set an API key.")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", envvar="COLI_PORT", show_envvar=True, min=0, max=65535,
+                                      help="Port (0: any free port).")] = 8000,
+    model_id: Annotated[Optional[str], typer.Option(
+        "--model-id", envvar="COLI_MODEL_ID", show_envvar=True,
+        help="The model name clients send. Default: the model directory's name.")] = None,
+    kv_slots: Annotated[Optional[int], typer.Option(
+        "--kv-slots", envvar="COLI_KV_SLOTS", show_envvar=True, min=1, max=16,
+        help="Independent KV contexts (concurrent requests). Default: 1.")] = None,
+    max_queue: Annotated[Optional[int], typer.Option(
+        "--max-queue", envvar="COLI_MAX_QUEUE", show_envvar=True, min=0,
+        help="Requests that may wait for a slot; more get 429. Default: 8.")] = None,
+    queue_timeout: Annotated[Optional[float], typer.Option(
+        "--queue-timeout", envvar="COLI_QUEUE_TIMEOUT", show_envvar=True,
+        help="Seconds a request may wait for a slot before a 429. Default: 300.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="COLI_API_KEY", show_envvar=True,
+        help="Require this key (Authorization: Bearer KEY or x-api-key) on every endpoint but /health.")] = None,
+    allowed_host: Annotated[Optional[list[str]], typer.Option(
+        "--allowed-host", help="Also accept this Host header (repeatable; or COLI_ALLOWED_HOSTS=a,b). "
+                               "localhost and loopback addresses always are.")] = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(
+        "--cors-origin", help="Also allow this browser origin, exactly (repeatable; or COLI_CORS_ORIGINS=a,b; "
+                              "'*' allows any). The Vite dev server and Tauri origins are allowed by default.")]
+    = None,
+    max_body: Annotated[Optional[str], typer.Option(
+        "--max-body", envvar="COLI_MAX_BODY", help="Largest request body, e.g. 16M (larger ones get 413).")] = None,
+    threads: ThreadsOpt = None,
+    quant: QuantOpt = None,
+    ram_budget: RamBudgetOpt = None,
+    pin: PinOpt = None,
+    ctx: CtxOpt = None,
+    kv_dir: KvDirOpt = None,
+    kv_persist: PersistOpt = True,
+    cluster: Annotated[Optional[str], typer.Option(
+        "--cluster", envvar="COLI_CLUSTER", show_envvar=True, rich_help_panel="Cluster (Ray)",
+        help="Generate on Ray workers: auto (a running cluster, else a local one) or ray://HOST:PORT.")] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, rich_help_panel="Cluster (Ray)",
+                                         help="Worker actors, each with its own engine and KV slots.")] = 2,
+    worker_cpus: Annotated[float, typer.Option("--worker-cpus", min=0, rich_help_panel="Cluster (Ray)",
+                                               help="CPUs Ray reserves per worker.")] = 1,
+    routing: Annotated[str, typer.Option("--routing", rich_help_panel="Cluster (Ray)",
+                                         help="cache-aware, round-robin or least-loaded.")] = "cache-aware",
+    state_dir: Annotated[Optional[str], typer.Option(
+        "--state-dir", rich_help_panel="Cluster (Ray)",
+        help="Keep the worker registry and prefix index in DIR/cluster.sqlite (default: in memory).")] = None,
+) -> None:
+    """Serve a model over an OpenAI- and Anthropic-compatible HTTP API.
+
+    Examples: coli serve -m ~/models/Qwen3-0.6B  ·  COLI_API_KEY=secret coli serve --host 0.0.0.0 --kv-slots 4
+    """
+    from coli.experts.store import parse_size
+    from coli.runner import Runner
+    from coli.server import Server, ServerConfig, serve as run_server
+    from coli.server.config import split_list
+
+    hosts = tuple(allowed_host or ()) + split_list(os.environ.get("COLI_ALLOWED_HOSTS", ""))
+    origins = tuple(cors_origin or ()) + split_list(os.environ.get("COLI_CORS_ORIGINS", ""))
+    try:
+        body_limit = parse_size(max_body) if max_body else None
+    except ValueError as e:
+        from coli.cli.common import fail
+
+        raise fail(f"--max-body: {e}") from None
+    config = ServerConfig.from_env(host=host, port=port, model_id=model_id, api_key=api_key, allowed_hosts=hosts,
+                                   cors_origins=origins, max_body=body_limit)
+    if cluster:  # cluster mode (coli.cluster): the same front end over Ray workers
+        from coli.cli.cluster import open_cluster_runner, require_cluster
+
+        require_cluster()
+        runner = open_cluster_runner(cluster, workers, model=model, threads=threads, worker_cpus=worker_cpus,
+                                     load_options=load_options(quant, ram_budget, pin), routing=routing,
+                                     runner_options=dict(kv_slots=kv_slots, max_queue=max_queue,
+                                                         queue_timeout=queue_timeout, ctx=ctx),
+                                     state_dir=state_dir)
+    m = load_model(model, threads, **load_options(quant, ram_budget, pin))
+    runner = runner if cluster else Runner(m, kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout, ctx=ctx, kv_dir=kv_dir,
+                    persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True))
+    server = Server(m, runner, config)
+
+    def ready(url: str) -> None:
+        key = "an API key" if config.api_key else "no API key"
+        typer.echo(f"coli serve: {server.model_id} ({m.config.model_type}, {runner.config.kv_slots} KV slot(s), "
+                   f"context {runner.ctx}) listening on {url}/v1 with {key}", err=True)
+        if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            stderr.print("[yellow]warning:[/] listening beyond this machine without --api-key", soft_wrap=True)
+
+    try:
+        asyncio.run(run_server(server, on_ready=ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.close()
+        m.close()

@@ -1,0 +1,119 @@
+"""Server-sent events to one client without letting a slow reader hold anything up.
+
+The handler formats events and hands their bytes to ``SSEStream.send``, which never
+waits: bytes go into the stream's own buffer and a writer task moves them to the socket.
+The socket's buffer has explicit watermarks (``stream_high`` / ``stream_low``): above the
+high one the writer waits until the kernel has taken the buffer below the low one. The
+engine thread never waits for any client (events queue per request), so a client that
+stops reading only grows its own buffers; once they hold more than ``stream_ceiling``
+bytes the stream is dropped (the connection aborted) and the caller cancels its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+
+from aiohttp import web
+
+log = logging.getLogger("coli.server")
+
+
+def sse(data, event: str | None = None) -> bytes:
+    """One SSE frame; ``data`` is JSON-encoded unless it is already a string."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+class SSEStream:
+    def __init__(self, request: web.Request, *, high: int, low: int, ceiling: int, send_buffer: int | None = None):
+        self.request = request
+        self.high, self.low, self.ceiling, self.send_buffer = high, low, ceiling, send_buffer
+        self.response: web.StreamResponse | None = None
+        self._buf = bytearray()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._writer: asyncio.Task | None = None
+        self.dropped = False  # past the ceiling: the connection was aborted
+        self.broken = False  # the client went away
+
+    @property
+    def alive(self) -> bool:
+        return not (self.dropped or self.broken)
+
+    async def open(self, headers: dict) -> None:
+        """Send the status line and headers (after this, errors go inside the stream)."""
+        self.response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **headers})
+        await self.response.prepare(self.request)
+        transport = self.request.transport
+        if transport is not None:
+            transport.set_write_buffer_limits(high=self.high, low=self.low)
+            sock = transport.get_extra_info("socket")
+            if self.send_buffer and sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
+        self._writer = asyncio.get_running_loop().create_task(self._pump())
+
+    def pending(self) -> int:
+        """Bytes queued for this client: ours plus the socket buffer's."""
+        transport = self.request.transport
+        return len(self._buf) + (transport.get_write_buffer_size() if transport is not None else 0)
+
+    def send(self, data: bytes) -> bool:
+        """Queue bytes; False once the stream is gone (dropped or disconnected)."""
+        if not self.alive:
+            return False
+        self._buf += data
+        if self.pending() > self.ceiling:
+            self._drop()
+            return False
+        self._wake.set()
+        return True
+
+    async def close(self) -> None:
+        """Flush what is queued and end the response."""
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            try:
+                await self._writer
+            except Exception:
+                self.broken = True
+        if self.alive and self.response is not None:
+            try:
+                await self.response.write_eof()
+            except (ConnectionError, RuntimeError):
+                self.broken = True
+
+    def abort(self) -> None:
+        """Stop writing (the handler is leaving early)."""
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._buf and self.alive:
+                    chunk = bytes(self._buf)
+                    self._buf.clear()
+                    await self.response.write(chunk)  # waits while the socket buffer is above `high`
+                if self._closing or not self.alive:
+                    return
+        except (ConnectionError, RuntimeError):
+            self.broken = True
+
+    def _drop(self) -> None:
+        log.warning("dropping a stream whose client is not reading (%d bytes queued, ceiling %d)",
+                    self.pending(), self.ceiling)
+        self.dropped = True
+        self._buf.clear()
+        if self._writer is not None:
+            self._writer.cancel()
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
