@@ -110,12 +110,13 @@ def test_score_reads_prompt_logprobs_and_reuses_the_prefix(model, runner):
 def test_score_and_generation_share_steps(model, runner):
     """A scoring request batched with a decoding one: both get the right numbers."""
     prompt = ids(model, "w9 w8 w7")
+    prefix, ending = ids(model, "w1 w2 w3"), ids(model, "w4 w5")
+    # references first: the engine is not to be called from two threads at once
+    ref = logprobs(model.forward(prefix + ending))
+    want_text = " ".join(f"w{t}" for t in greedy_tokens(model, prompt, 12))
     gen = runner.submit(prompt, max_tokens=12, sampling=GREEDY)
     events = gen.events(WAIT)
     assert isinstance(next(events), Started)
-    prefix, ending = ids(model, "w1 w2 w3"), ids(model, "w4 w5")
     lp = next(x for x in runner.score(prefix + ending, len(prefix)).events(WAIT) if isinstance(x, PromptLogprobs))
-    ref = logprobs(model.forward(prefix + ending))
     assert lp.logprobs == pytest.approx([float(ref[2, ending[0]]), float(ref[3, ending[1]])], abs=1e-4)
-    text = "".join(e.text for e in events if isinstance(e, TextDelta))
-    assert text == " ".join(f"w{t}" for t in greedy_tokens(model, prompt, 12))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == want_text
