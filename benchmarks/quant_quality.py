@@ -15,6 +15,7 @@ import json
 import numpy as np
 
 import coli
+from coli.api import resolve_model_path
 from coli import synthetic
 
 
@@ -73,7 +74,7 @@ def main() -> None:
         if not (path / "config.json").exists():
             synthetic.write_hf(a.synthetic, path)
     else:
-        path = a.model or coli.api.resolve_model_path(None)
+        path = a.model or resolve_model_path(None)
     m = coli.load(path)
     rng = np.random.default_rng(0)
     if a.model or not a.synthetic:  # real text for a real model
