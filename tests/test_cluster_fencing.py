@@ -277,3 +277,16 @@ def test_sqlite_catalog_survives_a_restart(tmp_path):
     c2.register("w0", "e2", {})  # a new incarnation: its old entries are gone
     assert c2.match(list(range(8)), ["w0"]) == {"w0": 0}
     c2.close()
+
+
+def test_without_ray_the_command_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from coli.cli.main import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    result = CliRunner().invoke(app, ["cluster", "status"])
+    assert result.exit_code == 2
+    assert "pip install 'coli[cluster]'" in result.output

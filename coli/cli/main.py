@@ -8,6 +8,7 @@ import typer
 import coli
 from coli.cli.bench import bench
 from coli.cli.chat import chat
+from coli.cli.cluster import app as cluster_app
 from coli.cli.convert import convert
 from coli.cli.kv import app as kv_app
 from coli.cli.run import run
@@ -27,6 +28,7 @@ app.command()(convert)
 app.command()(bench)
 app.command()(serve)
 app.add_typer(kv_app, name="kv")
+app.add_typer(cluster_app, name="cluster")
 
 
 def _version(value: bool) -> None:

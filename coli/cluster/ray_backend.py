@@ -24,9 +24,9 @@ def require_ray():
     return ray
 
 
-def connect(address: str | None = "auto", num_cpus: int | None = None):
+def connect(address: str | None = "auto", num_cpus: int | None = None, start_local: bool = True):
     """Join a Ray cluster: "auto" joins a running one (`ray start --head`) or, if there is
-    none, starts a local one; "ray://host:10001" goes through Ray Client."""
+    none and ``start_local``, starts a local one; "ray://host:10001" goes through Ray Client."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -37,6 +37,8 @@ def connect(address: str | None = "auto", num_cpus: int | None = None):
         try:
             ray.init(address="auto", **kw)
         except (ConnectionError, RuntimeError):
+            if not start_local:
+                raise ConnectionError("no running Ray cluster found (ray start --head, or pass --address)") from None
             ray.init(num_cpus=num_cpus, **kw)
     else:
         kw.pop("include_dashboard")

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 
 from coli.cluster.fencing import Message
@@ -39,6 +40,15 @@ class Worker:
         self.handles: dict[str, object] = {}
         self.seen: set[str] = set()  # assignment ids this incarnation has taken (the worker's fence)
         self.faults: dict[str, asyncio.Event] = {}  # test hooks: "hold_before", "hold_after_first"
+        self.slow = 0.0  # test hook "slow_steps": seconds added to every engine step
+        step = self.runner.engine.step
+
+        def step_maybe_slowed(*args, **kwargs):
+            if self.slow:
+                time.sleep(self.slow)
+            return step(*args, **kwargs)
+
+        self.runner.engine.step = step_maybe_slowed
 
     def info(self) -> dict:
         try:
@@ -96,15 +106,19 @@ class Worker:
     def status(self) -> dict:
         d = self.kv.diff(self._histories())  # noqa: F841 (published is what we report)
         snap = self.runner.scheduler.snapshot()
-        return dict(name=self.name, epoch=self.epoch, info=self.info(), steps=self.runner.steps,
-                    active=snap["active"], queued=snap["queued"], slots=snap["slots"],
-                    assignments=len(self.handles), kv_seq=self.kv.seq, kv_blocks=sorted(self.kv.published))
+        return dict(snap, name=self.name, epoch=self.epoch, info=self.info(), steps=self.runner.steps,
+                    assignments=len(self.handles), taken=len(self.seen), kv_seq=self.kv.seq,
+                    kv_blocks=sorted(self.kv.published))
 
     # -- fault injection (tests) ---------------------------------------------------------------
 
     def set_fault(self, name: str, on: bool) -> None:
         """Hold new assignments before they start ("hold_before") or after their first delta
-        ("hold_after_first") until turned off: lets tests kill a worker at a known point."""
+        ("hold_after_first") until turned off, or slow every engine step ("slow_steps"):
+        lets tests kill or cancel at a known point."""
+        if name == "slow_steps":
+            self.slow = 0.05 if on else 0.0
+            return
         ev = self.faults.setdefault(name, asyncio.Event())
         ev.clear() if on else ev.set()
 
