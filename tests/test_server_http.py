@@ -382,3 +382,29 @@ def test_openapi_describes_every_route(srv):
               if r.method != "HEAD" and not r.handler.__module__.endswith(".dashboard")}  # (static web files)
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert routes == documented
+
+
+def test_openai_streams_carry_keepalives_the_client_ignores(chat_model_dir, monkeypatch):
+    s = Running(chat_model_dir, kv_slots=1, config={"keepalive": 0.02})
+    gate = Gate(s, monkeypatch)
+    try:
+        # raw: the held engine makes the stream send SSE comments while nothing is produced
+        sock = raw_request(s, {**CHAT, "stream": True})
+        seen = b""
+        while seen.count(b": keepalive") < 2:
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        gate.open()
+        sock.close()
+        wait_for(lambda: s.runner.scheduler.snapshot()["active"] == 0, "the request to end")
+        # the official client reads a stream with keepalives in it as if they were not there
+        gate.open_.clear()
+        threading.Timer(0.3, gate.open).start()
+        stream = s.openai().chat.completions.create(model="tiny", messages=USER, max_tokens=3, stream=True,
+                                                    logit_bias=no_end(s))
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        gate.open()
+        s.close()

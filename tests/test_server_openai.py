@@ -357,3 +357,20 @@ def test_tokenize_and_detokenize(client, srv):
     assert t["tokens"] == srv.tokenizer.encode("Hello there") and t["count"] == len(t["tokens"])
     _, _, d = http(srv, "POST", "/detokenize", {"tokens": t["tokens"]})
     assert d["prompt"] == "Hello there"
+
+
+def test_a_family_without_tool_calling_refuses_tools(srv, monkeypatch):
+    from coli.chat_format import FORMATS
+
+    monkeypatch.setattr(srv.server, "chat_format", FORMATS["chatml"])  # e.g. a ChatML template without tools
+    client = srv.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, tools=TOOLS, max_tokens=2)
+    assert e.value.body["param"] == "tools" and e.value.code == "unsupported_feature"
+    # declared but switched off: not active, so accepted (and not rendered)
+    assert chat(client, tools=TOOLS, tool_choice="none", max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError):
+        srv.anthropic().messages.create(model="tiny", max_tokens=2, messages=USER, tools=[
+            {"name": "f", "input_schema": {"type": "object"}}])

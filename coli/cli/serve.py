@@ -99,7 +99,7 @@ def serve(
     def ready(url: str) -> None:
         key = "an API key" if config.api_key else "no API key"
         typer.echo(f"coli serve: {server.model_id} ({m.config.model_type}, {runner.config.kv_slots} KV slot(s), "
-                   f"context {runner.ctx}) listening on {url}/v1 with {key}", err=True)
+                   f"context {runner.ctx}, {key}) listening on {url} (OpenAI base URL {url}/v1)", err=True)
         if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             stderr.print("[yellow]warning:[/] listening beyond this machine without --api-key", soft_wrap=True)
 
