@@ -6,7 +6,7 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
@@ -36,6 +36,10 @@ _coli() {
         "coli chat --slots") COMPREPLY=(); return ;;
         "coli chat --url") COMPREPLY=(); return ;;
         "coli chat --api-key") COMPREPLY=(); return ;;
+        "coli cluster status --url") COMPREPLY=(); return ;;
+        "coli cluster status --address") COMPREPLY=(); return ;;
+        "coli cluster status --cluster-name") COMPREPLY=(); return ;;
+        "coli cluster status --api-key") COMPREPLY=(); return ;;
         "coli convert --quant"|"coli convert -q") COMPREPLY=(); return ;;
         "coli convert --head-quant") COMPREPLY=(); return ;;
         "coli kv inspect --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -70,17 +74,24 @@ _coli() {
         "coli serve --pin") COMPREPLY=(); return ;;
         "coli serve --ctx") COMPREPLY=(); return ;;
         "coli serve --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli serve --cluster") COMPREPLY=(); return ;;
+        "coli serve --workers") COMPREPLY=(); return ;;
+        "coli serve --worker-cpus") COMPREPLY=(); return ;;
+        "coli serve --routing") COMPREPLY=(); return ;;
+        "coli serve --state-dir") COMPREPLY=(); return ;;
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat convert kv run serve"; files=0 ;;
+        "coli") words="--version bench chat cluster convert kv run serve"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --no-prefetch --io --json"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
+        "coli cluster") words="status"; files=0 ;;
+        "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
         "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -43,6 +43,10 @@ def open_cluster_runner(address: str | None, workers: int, *, model: str | None,
     import coli.cluster
     from coli.cluster import ClusterConfig
 
+    from coli.cluster.index import POLICIES
+
+    if routing not in POLICIES:
+        raise fail(f"--routing must be one of {', '.join(POLICIES)}, got {routing!r}")
     address = address or os.environ.get("COLI_CLUSTER") or "auto"
     if workers < 1:
         raise fail(f"--workers must be at least 1, got {workers}")
@@ -117,12 +121,12 @@ def status(
         stderr.print("no cluster workers found", soft_wrap=True)
         raise typer.Exit(int(ExitCode.ERROR))
     t = Table(title="coli cluster", title_justify="left")
-    for col in ("worker", "health", "node", "pid", "active", "queued", "slots", "blocks", "cached", "steps"):
+    for col in ("worker", "health", "node", "active", "queued", "slots", "blocks", "cached", "steps"):
         t.add_column(col, justify="right" if col not in ("worker", "health", "node") else "left",
                      no_wrap=col in ("worker", "node"))
     for w in workers:
         health = "[green]up[/]" if w["health"] == "up" else f"[red]{w['health']}[/]"
-        t.add_row(w["name"], health, str(w.get("node") or "-"), str(w.get("pid") or "-"), str(w.get("active", 0)),
+        t.add_row(w["name"], health, str(w.get("node") or "-"), str(w.get("active", 0)),
                   str(w.get("queued", 0)), str(w.get("capacity", 0)), str(w.get("prefix_blocks", 0)),
                   str(w.get("cached_tokens", 0)), str(w.get("steps", 0)))
     Console().print(t)

@@ -149,8 +149,12 @@ class ClusterRunner:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="coli-cluster-router", daemon=True)
         self._thread.start()
-        for name in transport.names():
+        for name in transport.names():  # every series exists from the start, at 0
             self.metrics.up.labels(name).set(0)
+            for c in (self.metrics.routed, self.metrics.retried, self.metrics.hits, self.metrics.lost):
+                c.labels(name)
+            for reason in REASONS:
+                self.metrics.fenced.labels(name, reason)
         # wait until every worker has answered once (they load their models meanwhile)
         fut = asyncio.run_coroutine_threadsafe(self._first_contact(start_timeout), self.loop)
         fut.result(start_timeout + 5)
