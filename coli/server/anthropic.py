@@ -17,9 +17,9 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, U
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
-from coli.server.openai import _server, run_stream
+from coli.server.state import server_of
+from coli.server.streaming import run_stream, sse
 from coli.server.prompts import FUNCTION_NAME, implicit_stops, render
-from coli.server.streaming import sse
 
 MAX_STOP_SEQUENCES = 16
 UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results",
@@ -191,7 +191,7 @@ def _model(server, body: dict) -> str:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    server = _server(request)
+    server = server_of(request)
     body = await P.read_json(request)
     _model(server, body)
     return web.json_response({"input_tokens": len(_prompt(server, body).ids)})
@@ -213,7 +213,7 @@ def usage_body(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    server = _server(request)
+    server = server_of(request)
     body = await P.read_json(request)
     model_id = _model(server, body)
     max_tokens = P.integer(body, "max_tokens", 1)

@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, the shared ``Server`` state, and ways to run it.
+"""The aiohttp application: routes, and ways to run it (``Server`` is in state.py).
 
     server = Server(model, runner, ServerConfig(port=8000))
     await serve(server)                        # coli serve: until cancelled
@@ -7,63 +7,18 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
-import time
-from functools import lru_cache
-from pathlib import Path
 
 from aiohttp import web
 
-from coli.chat_format import detect
-from coli.server import anthropic, brio, openai
-from coli.server.config import ServerConfig
-from coli.server.errors import ApiError, invalid
+from coli.server import anthropic, brio, completions, openai
 from coli.server.openapi import document
 from coli.server.security import Guard
-from coli.server.telemetry import Telemetry
+from coli.server.state import SERVER, Server
 
+__all__ = ["SERVER", "Server", "ServerThread", "build_app", "serve", "start"]
 log = logging.getLogger("coli.server")
-SERVER = web.AppKey("server", object)
-
-
-class Server:
-    """A loaded model, its runner and the settings: what every handler reads."""
-
-    def __init__(self, model, runner, config: ServerConfig | None = None):
-        self.model, self.runner = model, runner
-        self.config = config or ServerConfig()
-        self.model_id = self.config.model_id or Path(str(model.path)).name
-        self.chat_format = detect(model.config.model_type, model.tokenizer.chat_template)
-        self.telemetry = Telemetry(self)
-        self.created = int(time.time())
-        self._byte_level = _is_byte_level(model.tokenizer)
-        self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
-
-    def check_model(self, body: dict) -> str:
-        """The request's ``model``: absent (this one) or this server's id; else 404."""
-        name = body.get("model")
-        if name is None:
-            return self.model_id
-        if not isinstance(name, str):
-            raise invalid("model: expected a string", "model")
-        if name != self.model_id:
-            raise ApiError(404, f"the model {name!r} is not served here; this server serves {self.model_id!r} "
-                                "(GET /v1/models)", code="model_not_found", param="model")
-        return name
-
-    def _token_text(self, token: int) -> str:
-        return self.model.tokenizer.decode([token], skip_special_tokens=False)
-
-    def _token_bytes(self, token: int) -> tuple[int, ...]:
-        """The token's own bytes (byte-level vocabularies: also a part of a UTF-8 character)."""
-        if self._byte_level:
-            piece = self.model.tokenizer.id_to_token(token) or ""
-            if all(c in _UNICODE_TO_BYTE for c in piece):
-                return tuple(_UNICODE_TO_BYTE[c] for c in piece)
-        return tuple(self._token_text(token).encode())
 
 
 def build_app(server: Server) -> web.Application:
@@ -74,10 +29,12 @@ def build_app(server: Server) -> web.Application:
     t = server.telemetry
     app.add_routes([
         web.get("/v1/models", openai.models), web.get("/v1/models/{model}", openai.model),
-        web.post("/v1/chat/completions", openai.chat_completions), web.post("/v1/completions", openai.completions),
+        web.post("/v1/chat/completions", openai.chat_completions),
+        web.post("/v1/completions", completions.completions),
         web.post("/v1/messages", anthropic.messages), web.post("/v1/messages/count_tokens", anthropic.count_tokens),
-        web.post("/v1/brio", brio.brio), web.post("/tokenize", openai.tokenize),
-        web.post("/detokenize", openai.detokenize), web.get("/health", t.health), web.get("/metrics", t.prometheus),
+        web.post("/v1/brio", brio.brio), web.post("/tokenize", completions.tokenize),
+        web.post("/detokenize", completions.detokenize), web.get("/health", t.health),
+        web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
     ])
     return app
@@ -172,33 +129,3 @@ class ServerThread:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
-
-
-# -- token bytes ------------------------------------------------------------------------------
-
-
-def _byte_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character standing for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_UNICODE_TO_BYTE = _byte_table()
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "_backend", None)
-    decoder = getattr(backend, "decoder", None)
-    if decoder is None:
-        return False
-    try:
-        return '"ByteLevel"' in json.dumps(json.loads(decoder.__getstate__()))
-    except Exception:
-        return False

@@ -19,14 +19,14 @@ from coli.errors import ColiError
 from coli.scheduler import Error, PromptLogprobs, Started
 from coli.server import params as P
 from coli.server.errors import from_coli, invalid
-from coli.server.openai import _server
+from coli.server.state import server_of
 from coli.server.prompts import normalize_openai, render
 
 MIN_OPTIONS, MAX_OPTIONS = 2, 64
 
 
 async def brio(request: web.Request) -> web.Response:
-    server = _server(request)
+    server = server_of(request)
     body = await P.read_json(request)
     model_id = server.check_model(body)
     options = body.get("options")

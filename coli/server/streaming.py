@@ -17,6 +17,9 @@ import socket
 
 from aiohttp import web
 
+from coli.scheduler import Error
+from coli.server.errors import from_coli
+
 log = logging.getLogger("coli.server")
 
 
@@ -117,3 +120,43 @@ class SSEStream:
         transport = self.request.transport
         if transport is not None:
             transport.abort()
+
+
+async def run_stream(request, server, gen, first: bytes, on_event, closing, keepalive: bytes,
+                     error_frames) -> web.StreamResponse:
+    """Send a stream: headers and ``first``, then each event's frames, keepalives while
+    nothing comes, ``closing()`` at the end; an error after the headers goes in-band."""
+    cfg = server.config
+    metrics = server.telemetry.metrics
+    stream = SSEStream(request, high=cfg.stream_high, low=cfg.stream_low, ceiling=cfg.stream_ceiling,
+                       send_buffer=cfg.send_buffer)
+    metrics.streams_open.inc()
+    try:
+        await stream.open(gen.headers)
+        stream.send(first)
+        async for item in gen.events(cfg.keepalive):
+            if item is None:
+                data = keepalive
+            else:
+                i, ev = item
+                if isinstance(ev, Error):
+                    gen.cancel()
+                    stream.send(error_frames(from_coli(ev.exception())))
+                    break
+                data = await on_event(i, ev)
+            if data and not stream.send(data):
+                gen.cancel()  # the client is gone or not reading: free its slots now
+                (metrics.dropped_total if stream.dropped else metrics.disconnects_total).inc()
+                return stream.response
+        else:
+            stream.send(closing())
+        await stream.close()
+        return stream.response
+    except BaseException as e:
+        stream.abort()
+        gen.cancel()
+        if isinstance(e, (asyncio.CancelledError, ConnectionError)):  # the client went away
+            metrics.disconnects_total.inc()
+        raise
+    finally:
+        metrics.streams_open.dec()
