@@ -232,3 +232,25 @@ def test_cluster_status_lists_both_workers(healthy):
     assert all(w["health"] == "up" for w in data["workers"])
     table = CliRunner().invoke(app, ["cluster", "status"])
     assert table.exit_code == 0 and "coli-worker-0" in table.output and "coli-worker-1" in table.output
+
+
+def test_http_stream_killed_after_the_first_token_ends_with_an_error_frame(healthy, server_url, model):
+    r = healthy
+    msgs = [{"role": "user", "content": "Count the colours of the rainbow slowly."}]
+    victim = r.route(prompt(model, msgs[0]["content"]), None)[0][0]
+    actor = r.transport.handles[victim]
+    ray.get(actor.set_fault.remote("hold_after_first", True), timeout=WAIT)
+    conn, resp = post(server_url, {"messages": msgs, "max_tokens": 30, "stream": True, "temperature": 0})
+    assert resp.status == 200
+    head = []
+    while True:
+        line = resp.readline()
+        head.append(line)
+        if b'"content"' in line and b'"content":""' not in line.replace(b" ", b""):
+            break
+    ray.kill(actor, no_restart=False)
+    rest = resp.read().decode()  # the server ends the stream
+    conn.close()
+    frames = [f for f in rest.split("\n\n") if f.strip()]
+    assert any("engine_error" in f for f in frames), rest
+    assert not any('"content"' in f and "engine_error" not in f for f in frames), rest  # no text after the kill
