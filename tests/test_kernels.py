@@ -233,3 +233,47 @@ def test_attention_values_inside_key_rows():
     ks = [cache.reshape(cap, 1, hd)] * 2
     vs = [cache[:, :vd].reshape(cap, 1, vd)] * 2
     np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, 1, hd, vd, 0.3), **TOL)
+
+
+@pytest.mark.parametrize("min_rows", [1, 48, 10**6])  # packed panels always, by default, never
+@pytest.mark.parametrize("M,N,K_", [(64, 33, 100), (130, 70, 257), (7, 40, 64)])
+def test_linear_panel_path(min_rows, M, N, K_):
+    x, w, b = rand(M, K_), rand(N, K_), rand(N)
+    out = np.empty((M, N), np.float32)
+    K.set_panel_min_rows(min_rows)
+    try:
+        K.linear(x, w, out, b)
+        np.testing.assert_allclose(out, R.linear(x, w, b), **TOL)
+        m = quantize(w, "f32")
+        kp = K.padded(K_)
+        out2 = np.empty((M, N), np.float32)
+        K.qlinear(x, m, out2, b, np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32),
+                  np.empty((M, kp // 32), np.int32))
+        np.testing.assert_allclose(out2, out, **TOL)
+    finally:
+        K.set_panel_min_rows(48)
+
+
+@pytest.mark.parametrize("min_rows", [1, 10**6])
+def test_moe_experts_f32_many_tokens(min_rows):
+    """Experts with many tokens go through packed panels; same numbers as the twin."""
+    M, E, k, H, I = 100, 4, 2, 40, 70
+    x = rand(M, H)
+    gate, up, down = rand(E, I, H, scale=0.3), rand(E, I, H, scale=0.3), rand(E, H, I, scale=0.3)
+    idx = np.stack([RNG.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
+    w = RNG.random((M, k)).astype(np.float32)
+    table = K.ExpertTable(E, H, I, K.FORMATS["f32"])
+    for e in range(E):
+        table.set(e, quantize(gate[e], "f32"), quantize(up[e], "f32"), quantize(down[e], "f32"))
+    n, hp, ip = M * k, K.padded(H), K.padded(I)
+    out = np.zeros((M, H), np.float32)
+    K.set_panel_min_rows(min_rows)
+    try:
+        K.moe_experts(x, idx, w, table, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
+                      np.empty((n, I), np.float32), np.empty((n, H), np.float32),
+                      np.empty(K.moe_scratch_ints(M, k, E, I, H), np.int32), np.zeros(E, np.int64), 0,
+                      np.empty((n, hp), np.int8), np.empty((n, hp // 32), np.float32), np.empty((n, hp // 32), np.int32),
+                      np.empty((n, ip), np.int8), np.empty((n, ip // 32), np.float32), np.empty((n, ip // 32), np.int32))
+    finally:
+        K.set_panel_min_rows(48)
+    np.testing.assert_allclose(out, R.moe_experts(x, idx, w, gate, up, down, 0), **TOL)

@@ -13,10 +13,10 @@ in a fixed order: results do not depend on the thread count.
 """
 cimport openmp
 import numpy as np
-from cython.parallel cimport parallel, prange
+from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 cdef extern from "simd.h" nogil:
@@ -27,6 +27,10 @@ cdef extern from "simd.h" nogil:
                       float *Y, long ldy)
     float coli_silu(float x)
     float coli_gelu_tanh(float x)
+    void coli_gemm_panel(const float *X, long ldx, int M, const float *W, long ldw, int nb, int K,
+                         float *Y, long ldy, float *P)
+    enum:
+        COLI_NP
 
 cdef extern from "simd_q.h" nogil:
     ctypedef struct coli_mat:
@@ -59,6 +63,28 @@ cdef enum:
     QK = 32             # quantization group
 
 cdef int _nthreads = 1
+cdef float *_panels = NULL   # one packing panel (K * COLI_NP floats) per thread, grown as needed
+cdef size_t _panels_cap = 0
+cdef int PANEL_MIN_ROWS = 48  # from this many tokens on, f32 linear layers pack weight panels
+
+
+def set_panel_min_rows(int rows):
+    """Tune where f32 linear layers switch from dot-product tiles to packed panels."""
+    global PANEL_MIN_ROWS
+    PANEL_MIN_ROWS = rows
+
+
+cdef float *_panel_scratch(int K) except NULL:
+    """Room for one K x COLI_NP panel per thread (grown, never shrunk; called with the GIL)."""
+    global _panels, _panels_cap
+    cdef size_t need = <size_t>K * COLI_NP * _nthreads
+    cdef float *p
+    if need > _panels_cap:
+        p = <float *>realloc(_panels, need * sizeof(float))
+        if p == NULL:
+            raise MemoryError()
+        _panels, _panels_cap = p, need
+    return _panels
 
 
 def set_num_threads(int n):
@@ -86,13 +112,19 @@ cdef inline float _act(float x, int act) noexcept nogil:
 # ---------------------------------------------------------------- linear layers
 
 cdef void _linear(const float *X, long ldx, int M, const float *W, int N, int K,
-                  float *Y, long ldy, const float *bias) noexcept nogil:
-    cdef int nblocks = (N + ROW_BLOCK - 1) // ROW_BLOCK
+                  float *Y, long ldy, const float *bias, float *panels) noexcept nogil:
+    """panels: per-thread packing scratch (see _panel_scratch), or NULL for the dot-product tiles."""
+    cdef int block = COLI_NP if panels != NULL else ROW_BLOCK
+    cdef int nblocks = (N + block - 1) // block
     cdef int b, n0, nb, m, n
     for b in prange(nblocks, num_threads=_nthreads, schedule='static'):
-        n0 = b * ROW_BLOCK
-        nb = N - n0 if N - n0 < ROW_BLOCK else ROW_BLOCK
-        coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
+        n0 = b * block
+        nb = N - n0 if N - n0 < block else block
+        if panels != NULL:
+            coli_gemm_panel(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy,
+                            panels + <long>threadid() * K * COLI_NP)
+        else:
+            coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
         if bias != NULL:
             for m in range(M):
                 for n in range(nb):
@@ -109,8 +141,9 @@ def linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out, cons
     if M == 0 or N == 0:
         return
     cdef const float *bp = &bias[0] if bias is not None else NULL
+    cdef float *panels = _panel_scratch(K) if M >= PANEL_MIN_ROWS else NULL
     with nogil:
-        _linear(&x[0, 0], K, M, &w[0, 0], N, K, &out[0, 0], N, bp)
+        _linear(&x[0, 0], K, M, &w[0, 0], N, K, &out[0, 0], N, bp, panels)
 
 
 # ---------------------------------------------------------------- norms, activations

@@ -114,6 +114,13 @@ def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1
     cdef float *Y = &out[0, 0]
     if quant:
         a = _activations(&x[0, 0], K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
+    cdef float *panels = NULL
+    if w.fmt == COLI_F32:  # the f32 path, with packed panels for many tokens
+        if M >= PANEL_MIN_ROWS:
+            panels = _panel_scratch(K)
+        with nogil:
+            _linear(&x[0, 0], K, M, <const float *>w.m.w, N, K, Y, N, bp, panels)
+        return
     with nogil:
         if quant:
             _quantize_rows(&x[0, 0], K, M, K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
@@ -216,6 +223,10 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     cdef coli_act ax = _activations(&xg[0, 0], H, NULL, NULL, NULL, 0, 0)
     cdef coli_act ah = _activations(&gbuf[0, 0], inter, NULL, NULL, NULL, 0, 0)
     cdef coli_act sub
+    cdef int rb = COLI_NP if table.fmt == COLI_F32 else ROW_BLOCK  # rows per work item
+    cdef float *panels = _panel_scratch(H if H > inter else inter) if table.fmt == COLI_F32 else NULL
+    cdef int min_rows = PANEL_MIN_ROWS
+    cdef const float *Wf
     if quant:
         ax = _activations(&xg[0, 0], H, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
         ah = _activations(&gbuf[0, 0], inter, &hq[0, 0], &hqd[0, 0], &hqs[0, 0], hq.shape[1], hqd.shape[1])
@@ -245,12 +256,12 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                 fill[e] += 1
         for e in range(E):
             if cnt[e] > 0 and (on == NULL or on[e]):
-                for b in range((inter + ROW_BLOCK - 1) // ROW_BLOCK):
+                for b in range((inter + rb - 1) // rb):
                     it1[n1] = e * 65536 + b
                     n1 = n1 + 1
         for e in range(E):
             if cnt[e] > 0 and (on == NULL or on[e]):
-                for b in range((H + ROW_BLOCK - 1) // ROW_BLOCK):
+                for b in range((H + rb - 1) // rb):
                     it1[n1 + n2] = e * 65536 + b
                     n2 = n2 + 1
         if quant:
@@ -258,13 +269,21 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     with nogil, parallel(num_threads=_nthreads):
         for it in prange(n1, schedule='dynamic'):
             e = it1[it] // 65536
-            n0 = (it1[it] % 65536) * ROW_BLOCK
-            nb = inter - n0 if inter - n0 < ROW_BLOCK else ROW_BLOCK
+            n0 = (it1[it] % 65536) * rb
+            nb = inter - n0 if inter - n0 < rb else rb
             ne = cnt[e]
             off = offs[e]
             sub = _rows(ax, off)
-            coli_gemm_any(&sub, ne, &table.mats[3 * e], n0, nb, H, &gbuf[off, 0], inter)
-            coli_gemm_any(&sub, ne, &table.mats[3 * e + 1], n0, nb, H, &ubuf[off, 0], inter)
+            if panels != NULL and ne >= min_rows:
+                Wf = <const float *>table.mats[3 * e].w
+                coli_gemm_panel(sub.x, H, ne, Wf + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter,
+                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+                Wf = <const float *>table.mats[3 * e + 1].w
+                coli_gemm_panel(sub.x, H, ne, Wf + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter,
+                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+            else:
+                coli_gemm_any(&sub, ne, &table.mats[3 * e], n0, nb, H, &gbuf[off, 0], inter)
+                coli_gemm_any(&sub, ne, &table.mats[3 * e + 1], n0, nb, H, &ubuf[off, 0], inter)
             for r in range(ne):
                 for c in range(nb):
                     gbuf[off + r, n0 + c] = _act(gbuf[off + r, n0 + c], act) * ubuf[off + r, n0 + c]
@@ -274,12 +293,17 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     with nogil, parallel(num_threads=_nthreads):
         for it in prange(n2, schedule='dynamic'):
             e = it1[n1 + it] // 65536
-            n0 = (it1[n1 + it] % 65536) * ROW_BLOCK
-            nb = H - n0 if H - n0 < ROW_BLOCK else ROW_BLOCK
+            n0 = (it1[n1 + it] % 65536) * rb
+            nb = H - n0 if H - n0 < rb else rb
             ne = cnt[e]
             off = offs[e]
             sub = _rows(ah, off)
-            coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
+            if panels != NULL and ne >= min_rows:
+                Wf = <const float *>table.mats[3 * e + 2].w
+                coli_gemm_panel(sub.x, inter, ne, Wf + <long>n0 * inter, inter, nb, inter, &ybuf[off, n0], H,
+                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+            else:
+                coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
     if not combine:
         return
     for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
