@@ -6,7 +6,7 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
@@ -79,10 +79,32 @@ _coli() {
         "coli serve --worker-cpus") COMPREPLY=(); return ;;
         "coli serve --routing") COMPREPLY=(); return ;;
         "coli serve --state-dir") COMPREPLY=(); return ;;
+        "coli web --model"|"coli web -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli web --host") COMPREPLY=(); return ;;
+        "coli web --port"|"coli web -p") COMPREPLY=(); return ;;
+        "coli web --model-id") COMPREPLY=(); return ;;
+        "coli web --kv-slots") COMPREPLY=(); return ;;
+        "coli web --max-queue") COMPREPLY=(); return ;;
+        "coli web --queue-timeout") COMPREPLY=(); return ;;
+        "coli web --api-key") COMPREPLY=(); return ;;
+        "coli web --allowed-host") COMPREPLY=(); return ;;
+        "coli web --cors-origin") COMPREPLY=(); return ;;
+        "coli web --max-body") COMPREPLY=(); return ;;
+        "coli web --threads"|"coli web -t") COMPREPLY=(); return ;;
+        "coli web --quant"|"coli web -q") COMPREPLY=(); return ;;
+        "coli web --ram-budget") COMPREPLY=(); return ;;
+        "coli web --pin") COMPREPLY=(); return ;;
+        "coli web --ctx") COMPREPLY=(); return ;;
+        "coli web --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli web --cluster") COMPREPLY=(); return ;;
+        "coli web --workers") COMPREPLY=(); return ;;
+        "coli web --worker-cpus") COMPREPLY=(); return ;;
+        "coli web --routing") COMPREPLY=(); return ;;
+        "coli web --state-dir") COMPREPLY=(); return ;;
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert kv run serve"; files=0 ;;
+        "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --no-prefetch --io --json"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
@@ -92,6 +114,7 @@ _coli() {
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
         "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
         "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

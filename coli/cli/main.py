@@ -13,6 +13,7 @@ from coli.cli.convert import convert
 from coli.cli.kv import app as kv_app
 from coli.cli.run import run
 from coli.cli.serve import serve
+from coli.cli.web import web
 
 app = typer.Typer(
     name="coli",
@@ -27,6 +28,7 @@ app.command()(chat)
 app.command()(convert)
 app.command()(bench)
 app.command()(serve)
+app.command()(web)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

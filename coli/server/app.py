@@ -12,7 +12,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import anthropic, brio, completions, openai
+from coli.server import anthropic, brio, completions, dashboard, openai
 from coli.server.openapi import document
 from coli.server.security import Guard
 from coli.server.state import SERVER, Server
@@ -37,6 +37,7 @@ def build_app(server: Server) -> web.Application:
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
     ])
+    dashboard.mount(app)  # the web dashboard's files (coli web), public like /health
     return app
 
 
