@@ -30,6 +30,7 @@ HELP = """\
 
 **Keys**: Enter send · Up/Down history · Esc or Ctrl+C stop the answer · F2 routing pane · \
 F3 profiling pane · F4 expand reasoning · F5 next slot · Ctrl+Q quit"""
+BATCH_SECONDS = 0.03  # a fast model's tokens reach the UI in batches, so the UI thread leaves the engine be
 NARROW = 110  # columns below which the panes go under the transcript
 HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"
 
@@ -66,7 +67,7 @@ class ChatApp(App):
         self.refresh_seconds = refresh_seconds
         self._info = {}
         self._views: list[MessageView] = []
-        self._last_seq = None
+        self._status_text = ""
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="top"):
@@ -85,13 +86,14 @@ class ChatApp(App):
     def on_mount(self) -> None:
         self.routing, self.profile = self.query_one(RoutingPane), self.query_one(ProfilePane)
         self.transcript = self.query_one("#transcript", VerticalScroll)
+        self.status = self.query_one("#status", Static)
         self._info = self.backend.info()
         self.sub_title = self._info.get("model", "")
         self.refresh_status()
         self.query_one("#prompt").focus()
         self.refresh_panes()
         self.set_interval(self.refresh_seconds, self.refresh_panes)
-        self.set_interval(0.05, self.flush_views)
+        self.set_interval(0.1, self.flush_views)
         self.apply_width(self.size.width)
 
     def on_resize(self, event) -> None:
@@ -143,23 +145,36 @@ class ChatApp(App):
     @work(thread=True, exclusive=True, group="answer")
     def answer(self, view: MessageView, reply: Message, messages: list[dict], slot: int) -> None:
         """Stream one answer from the backend into ``view``."""
-        t0, first = time.perf_counter(), None
+        t0, first, sent = time.perf_counter(), None, 0.0
+        pending = []  # events not handed to the UI yet: deltas closer than BATCH_SECONDS go together
         try:
             for ev in self.backend.stream(messages, slot):
-                if first is None and isinstance(ev, (TextDelta, ReasoningDelta)):
-                    first = time.perf_counter() - t0
+                now = time.perf_counter()
+                delta = isinstance(ev, (TextDelta, ReasoningDelta))
+                if first is None and delta:
+                    first = now - t0
                 if isinstance(ev, TurnStats):
                     ev = replace(ev, ttft=first)
-                self.call_from_thread(self.on_answer_event, view, reply, ev)
+                pending.append(ev)
+                if not delta or now - sent >= BATCH_SECONDS:
+                    self.call_from_thread(self.on_answer_events, view, reply, pending)
+                    pending, sent = [], now
         except ColiError as e:
-            self.call_from_thread(self.on_answer_event, view, reply, Error("invalid_request", str(e)))
+            pending.append(Error("invalid_request", str(e)))
         except Exception as e:  # noqa: BLE001 - the app must outlive a broken answer
-            self.call_from_thread(self.on_answer_event, view, reply, Error("engine_error", f"{type(e).__name__}: {e}"))
+            pending.append(Error("engine_error", f"{type(e).__name__}: {e}"))
         finally:
             try:
+                if pending:
+                    self.call_from_thread(self.on_answer_events, view, reply, pending)
                 self.call_from_thread(self.answer_done, view)
             except RuntimeError:  # the app has closed
                 pass
+
+    def on_answer_events(self, view: MessageView, reply: Message, events: list) -> None:
+        """Apply events of the answer in flight."""
+        for ev in events:
+            self.on_answer_event(view, reply, ev)
 
     def on_answer_event(self, view: MessageView, reply: Message, ev) -> None:
         """Apply one event of the answer in flight."""
@@ -192,14 +207,16 @@ class ChatApp(App):
 
     def answer_done(self, view: MessageView) -> None:
         """The answer ended (finished, stopped or failed)."""
+        self.busy = False
+        if not self.transcript.is_attached:  # the app is closing
+            return
         view.flush()
         if view.note == "…":
             view.set_note("")
-        self.busy = False
         self.refresh_status()
 
     def flush_views(self) -> None:
-        """Redraw streamed text (at most 20 times a second)."""
+        """Redraw streamed text (at most 10 times a second)."""
         if any(v.flush() for v in self._views[-2:]) and self.transcript.is_attached:
             self.transcript.scroll_end(animate=False)
 
@@ -327,6 +344,8 @@ class ChatApp(App):
     # -- status and panes ---------------------------------------------------------------------------
 
     def refresh_status(self) -> None:
+        if not hasattr(self, "status"):  # before on_mount
+            return
         info, last = self._info, self.history.last
         parts = [info.get("model", "?"), info.get("quant", "?"), f"{info.get('resident', '?')} resident"]
         tps = last.tokens_per_second if last else None
@@ -336,7 +355,10 @@ class ChatApp(App):
         parts.append(f"hit {hit:.0%}" if hit is not None else "hit –")
         if self.busy:
             parts.append("● answering")
-        self.query_one("#status", Static).update(" · ".join(parts))
+        text = " · ".join(parts)
+        if text != self._status_text and self.status.is_attached:  # an update lays the screen out again
+            self._status_text = text
+            self.status.update(text)
 
     def refresh_panes(self) -> None:
         """Read the experts again (a worker does it for a server)."""

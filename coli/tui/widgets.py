@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.reactive import reactive
+from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Markdown, Sparkline, Static
 
 from coli.tui.grid import TIER_DISK, TIER_NAMES, TIER_PINNED, TIER_RAM, TIER_RGB, ExpertGrid, Flash, cell_colors
@@ -61,15 +62,21 @@ def render_profile(turn: TurnStats | None, width: int = 40) -> Text:
     return out
 
 
-class RoutingPane(Static):
+class RoutingPane(Widget):
     """Live routing: one cell per expert per layer."""
+
+    DEFAULT_CSS = "RoutingPane { height: auto; }"
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.grid: ExpertGrid | None = None
         self.flash = Flash()
         self.border_title = "Routing"
-        self._drawn = None  # what the screen shows: (seq, flash sum, width, heat sum)
+        self._text = render_routing(None)
+        self._drawn = None  # what the screen shows: (seq, flash sum, heat sum, tiers), width
+
+    def render(self) -> Text:
+        return self._text
 
     def show_grid(self, grid: ExpertGrid | None, idle_decay: float = 1.0, force: bool = False) -> None:
         """Draw a new reading of the experts (only when something changed)."""
@@ -81,8 +88,11 @@ class RoutingPane(Static):
                                          grid.tiers.tobytes())
         if not force and self._drawn == (key, width):
             return
+        lines = len(self._text.plain.splitlines())
         self._drawn = (key, width)
-        self.update(render_routing(grid, self.flash.value, width))
+        self._text = render_routing(grid, self.flash.value, width)
+        # a colour change repaints the pane; only a change of its height lays the screen out again
+        self.refresh(layout=len(self._text.plain.splitlines()) != lines)
 
     def on_resize(self) -> None:
         """Rewrap the rows."""
@@ -117,6 +127,7 @@ class MessageView(Vertical):
         super().__init__(classes=f"message {role}", **kw)
         self.role, self.content, self.reasoning, self.note = role, content, reasoning, note
         self._dirty = False
+        self._shown = len(content)  # characters of content the Markdown widget holds
 
     def compose(self):
         if self.role == "assistant":
@@ -144,7 +155,9 @@ class MessageView(Vertical):
             if self.reasoning:
                 block.display = True
                 block.query_one(".reasoning-text", Static).update(self.reasoning)
-            self.query_one(Markdown).update(self.content)
+            if len(self.content) > self._shown:  # append parses only the tail, not the whole answer again
+                self.query_one(Markdown).append(self.content[self._shown:])
+                self._shown = len(self.content)
         return True
 
     def set_note(self, note: str) -> None:
