@@ -254,3 +254,13 @@ def test_http_stream_killed_after_the_first_token_ends_with_an_error_frame(healt
     frames = [f for f in rest.split("\n\n") if f.strip()]
     assert any("engine_error" in f for f in frames), rest
     assert not any('"content"' in f and "engine_error" not in f for f in frames), rest  # no text after the kill
+
+
+def test_score_runs_on_a_worker(healthy, model):
+    from coli.scheduler.events import PromptLogprobs
+
+    ids = prompt(model, "Is the sky blue?")
+    evs = events(healthy.score(ids, 3))
+    assert isinstance(evs[-1], Finished)
+    scores = next(e for e in evs if isinstance(e, PromptLogprobs))
+    assert len(scores.logprobs) == len(ids) - 3 and all(x <= 0 for x in scores.logprobs)

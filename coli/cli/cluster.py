@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Annotated, Optional
 
@@ -53,9 +54,14 @@ def open_cluster_runner(address: str | None, workers: int, *, model: str | None,
     load = {**(load_options or {}), **({"threads": threads} if threads else {})}
     if model is not None:
         model = os.path.abspath(os.path.expanduser(model)) if os.path.exists(os.path.expanduser(model)) else model
-    return coli.cluster.start(model, workers=workers, address=address, worker_cpus=worker_cpus, load_options=load,
-                              runner_options=runner_options, config=ClusterConfig(policy=routing),
-                              state_dir=state_dir, cluster=cluster)
+    local_cpus = max(os.cpu_count() or 1, math.ceil(workers * worker_cpus))  # only if a local cluster starts
+    try:
+        return coli.cluster.start(model, workers=workers, address=address, worker_cpus=worker_cpus,
+                                  load_options=load, runner_options=runner_options,
+                                  config=ClusterConfig(policy=routing), state_dir=state_dir, cluster=cluster,
+                                  num_cpus=local_cpus)
+    except RuntimeError as e:
+        raise fail(str(e), ExitCode.ERROR) from None
 
 
 def _rows_from_url(url: str, api_key: str | None) -> dict:

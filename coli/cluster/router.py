@@ -142,6 +142,7 @@ class ClusterRunner:
         self.closed = False
         self.alive: set[str] = set()
         self.status: dict[str, dict] = {}  # worker -> its last status report
+        self.errors: dict[str, str] = {}  # worker -> why its last status poll failed
         self.inflight: dict[str, int] = defaultdict(int)
         self.sticky: dict[tuple, str] = {}
         self.tasks: dict[str, asyncio.Task] = {}
@@ -439,8 +440,10 @@ class ClusterRunner:
             if worker in self.alive:
                 self.metrics.lost.labels(worker).inc()
             log.debug("status of %s failed: %r", worker, e)
+            self.errors[worker] = str(e)
             self._mark_down(worker)
             return
+        self.errors.pop(worker, None)
         if s.get("epoch") != self.catalog.epoch(worker):
             self.catalog.register(worker, s["epoch"], s.get("info", {}))
         self.catalog.replace(worker, s.get("kv_seq", 0), s.get("kv_blocks", ()))
@@ -457,6 +460,10 @@ class ClusterRunner:
         names = set(self.transport.names())
         while self.alive != names and time.monotonic() < end:
             await self.poll_all()
+            failed = {w: e for w, e in self.errors.items() if "creation task" in e}
+            if failed and not self.alive and set(failed) == names - self.alive:  # they cannot start: say why now
+                why = next(iter(failed.values())).strip().splitlines()
+                raise RuntimeError(f"the cluster workers failed to start: {why[-1] if why else '?'}")
             if self.alive != names:
                 await asyncio.sleep(0.2)
         if not self.alive:
