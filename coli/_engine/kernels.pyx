@@ -23,6 +23,8 @@ cdef extern from "simd.h" nogil:
     const char *coli_simd_name()
     float coli_dot(const float *a, const float *b, int K)
     void coli_scale_add(float *y, float a, const float *x, float b, int n)
+    void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int j0, int j1,
+                     int hd, int vd, float scale, float softcap, float *o)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
     float coli_silu(float x)
@@ -239,13 +241,10 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
     v_stride floats apart (MLA reads its values from the leading part of its key rows);
     row m attends positions
     [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when window <= 0).
-    One pass with an online softmax: no score buffer, nothing allocated."""
-    cdef int M = q.shape[0], group, idx, m, h, g, j, start
+    Online softmax over blocks of 32 keys (coli_attend): nothing allocated."""
+    cdef int M = q.shape[0], group, idx, m, h, g, start
     cdef const float *K
     cdef const float *V
-    cdef const float *qv
-    cdef float *o
-    cdef float s, mx, l, corr, p
     if n_kv_heads <= 0 or n_heads % n_kv_heads != 0:
         raise ValueError("attention: n_heads must be a multiple of n_kv_heads")
     if q.shape[1] != n_heads * head_dim or out.shape[0] != M or out.shape[1] != n_heads * v_head_dim:
@@ -260,28 +259,11 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
         g = h // group
         K = <const float *>kptr[m]
         V = <const float *>vptr[m]
-        qv = &q[m, h * head_dim]
-        o = &out[m, h * v_head_dim]
-        memset(o, 0, v_head_dim * sizeof(float))
-        mx = -INFINITY
-        l = 0
         start = 0
         if window > 0 and pos[m] - window + 1 > 0:
             start = pos[m] - window + 1
-        for j in range(start, pos[m] + 1):
-            s = coli_dot(qv, K + (<long>j * n_kv_heads + g) * head_dim, head_dim) * scale
-            if softcap > 0:
-                s = softcap * tanhf(s / softcap)
-            if s > mx:
-                corr = <float>exp(mx - s)
-                coli_scale_add(o, corr, V + j * vs + g * v_head_dim, 1.0, v_head_dim)
-                l = l * corr + 1
-                mx = s
-            else:
-                p = <float>exp(s - mx)
-                coli_scale_add(o, 1.0, V + j * vs + g * v_head_dim, p, v_head_dim)
-                l = l + p
-        coli_scale_add(o, 1.0 / l, o, 0.0, v_head_dim)
+        coli_attend(&q[m, h * head_dim], K + g * head_dim, n_kv_heads * head_dim, V + g * v_head_dim, vs,
+                    start, pos[m] + 1, head_dim, v_head_dim, scale, softcap, &out[m, h * v_head_dim])
 
 
 # ---------------------------------------------------------------- mixture of experts

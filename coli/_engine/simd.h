@@ -153,6 +153,37 @@ static inline void coli_gemm_nt(const float *X, long ldx, int M, const float *W,
     }
 }
 
+/* One query row of one head against keys [j0, j1): o = softmax(scale * q.K) V.
+ * Keys go in blocks of 32: the block's scores first, then one rescale of the running
+ * output if the block raised the maximum, then the weighted value rows. */
+static inline void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int j0, int j1,
+                               int hd, int vd, float scale, float softcap, float *o) {
+    float sc[32], mx = -INFINITY, l = 0.0f;
+    memset(o, 0, vd * sizeof(float));
+    for (int b = j0; b < j1; b += 32) {
+        int n = j1 - b < 32 ? j1 - b : 32;
+        float bm = -INFINITY;
+        for (int i = 0; i < n; i++) {
+            float s = coli_dot(q, K + (long)(b + i) * ks, hd) * scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            sc[i] = s;
+            bm = s > bm ? s : bm;
+        }
+        if (bm > mx) {
+            float c = expf(mx - bm);
+            coli_scale_add(o, c, o, 0.0f, vd);
+            l *= c;
+            mx = bm;
+        }
+        for (int i = 0; i < n; i++) {
+            float p = expf(sc[i] - mx);
+            l += p;
+            coli_scale_add(o, 1.0f, V + (long)(b + i) * vs, p, vd);
+        }
+    }
+    coli_scale_add(o, 1.0f / l, o, 0.0f, vd);
+}
+
 /* ---- packed-panel GEMM for many tokens (prefill) ------------------------------------
  * For M >= a few rows, the dot-product tiles above spend their time on horizontal sums.
  * Here a panel of COLI_NP weight rows is first transposed into P[k][j] (k < K, j < NP),
