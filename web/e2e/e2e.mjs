@@ -153,9 +153,16 @@ try {
   await shot(page, 'brain-live.png')
   await page.getByTestId('tab-explore').click()
   await page.getByTestId('atlas').waitFor({ timeout: 10000 })
-  const rects = await page.locator('[data-testid=atlas] rect').count()
-  check(rects === experts.cols * experts.cols, `Explore: a ${experts.cols}x${experts.cols} co-activation map`)
-  await page.locator('[data-testid=atlas] rect').nth(1).hover()
+  const n = Number(await page.getByTestId('atlas-canvas').getAttribute('data-n'))
+  check(n === experts.cols, `Explore: a ${n}x${n} co-activation map`)
+  const box = await page.getByTestId('atlas-canvas').boundingBox()
+  const cellPx = (box.width - 22) / n
+  await page.mouse.move(box.x + 22 + cellPx * 1.5, box.y + 22 + cellPx * 0.5) // row 0, column 1
+  const pair = await page.locator('.explore .cell-info').textContent()
+  check(/expert 0 & expert 1/.test(pair) && /together in \d+ step/.test(pair), `hovering the map tells a pair: ${pair.slice(0, 60)}`)
+  await page.getByTestId('prompt-row').first().waitFor({ timeout: 10000 })
+  const prompts = await page.getByTestId('prompt-row').count()
+  check(prompts >= 1, `Explore: the experts of ${prompts} recent prompt(s)`)
   await shot(page, 'brain-explore.png')
 
   // Profiling: the turn's bars by phase, and the trend.

@@ -35,8 +35,21 @@ export interface Store {
   refreshProfile: () => void
   generating: boolean
   setGenerating: (v: boolean) => void
+  beginActivity: (label: string) => void // a chat turn or a Brio question: its routing is kept apart
+  activities: Activity[]
   onError: (e: unknown) => string // returns a message; flags a missing key
 }
+
+/** The experts routed (in the sampled /experts snapshots) while one prompt ran. */
+export interface Activity {
+  label: string
+  samples: number
+  counts: Float64Array | null // rows*cols
+  rows: number
+  cols: number
+}
+
+const MAX_ACTIVITIES = 12
 
 const Ctx = createContext<Store | null>(null)
 
@@ -80,10 +93,12 @@ export function StoreProvider({ children }: { children: ReactNode }) {
   const [health, setHealth] = useState<Health | null>(null)
   const [grid, setGrid] = useState<ExpertGrid | null>(null)
   const [profile, setProfile] = useState<ProfileData | null>(null)
-  const [generating, setGenerating] = useState(false)
+  const [generating, setGeneratingState] = useState(false)
+  const activitiesRef = useRef<Activity[]>([])
   const [coVersion, setCoVersion] = useState(0)
   const coRef = useRef<CoActivation | null>(null)
   const lastSeq = useRef<number>(-1)
+  const lastKey = useRef('')
 
   const setSettings = useCallback((s: Settings) => {
     setSettingsState(s)
@@ -128,6 +143,7 @@ export function StoreProvider({ children }: { children: ReactNode }) {
 
   const resetHistory = useCallback(() => {
     coRef.current = null
+    activitiesRef.current = []
     lastSeq.current = -1
     setCoVersion((v) => v + 1)
   }, [])
@@ -144,8 +160,8 @@ export function StoreProvider({ children }: { children: ReactNode }) {
     coli,
   )
 
-  usePoll(
-    async () => {
+  const pollExperts = useRef<() => Promise<void>>(async () => {})
+  pollExperts.current = async () => {
       let snap: ExpertsSnapshot
       try {
         snap = await getJSON<ExpertsSnapshot>(settings, '/experts')
@@ -153,6 +169,9 @@ export function StoreProvider({ children }: { children: ReactNode }) {
         onError(e)
         return
       }
+      const key = `${snap.seq}|${snap.cells}|${snap.routed}`
+      if (key === lastKey.current) return // nothing changed: no re-render of a big grid
+      lastKey.current = key
       const g = decodeExperts(snap)
       setGrid(g)
       if (g.seq !== lastSeq.current) {
@@ -161,13 +180,35 @@ export function StoreProvider({ children }: { children: ReactNode }) {
           coRef.current = emptyCoActivation(g.rows, g.cols)
         if (g.routedCount > 0) {
           addSnapshot(coRef.current, g)
+          const act = activitiesRef.current[activitiesRef.current.length - 1]
+          if (act) {
+            if (!act.counts || act.rows !== g.rows || act.cols !== g.cols) {
+              act.counts = new Float64Array(g.rows * g.cols)
+              act.rows = g.rows
+              act.cols = g.cols
+            }
+            for (let i = 0; i < g.routed.length; i++) act.counts[i] += g.routed[i]
+            act.samples++
+          }
           setCoVersion((v) => v + 1)
         }
       }
+  }
+  usePoll(() => pollExperts.current(), generating ? 250 : 1500, coli)
+
+  const setGenerating = useCallback(
+    (v: boolean) => {
+      setGeneratingState(v)
+      if (!v && coli) pollExperts.current().catch(() => {}) // the turn's last step, at once
     },
-    generating ? 250 : 1500,
-    coli,
+    [coli],
   )
+
+  const beginActivity = useCallback((label: string) => {
+    const list = activitiesRef.current
+    list.push({ label, samples: 0, counts: null, rows: 0, cols: 0 })
+    if (list.length > MAX_ACTIVITIES) list.splice(0, list.length - MAX_ACTIVITIES)
+  }, [])
 
   const refreshProfile = useCallback(() => {
     if (!coli) return
@@ -196,6 +237,8 @@ export function StoreProvider({ children }: { children: ReactNode }) {
     refreshProfile,
     generating,
     setGenerating,
+    beginActivity,
+    activities: activitiesRef.current,
     onError,
   }
   return <Ctx.Provider value={store}>{children}</Ctx.Provider>

@@ -1,8 +1,9 @@
-import { useMemo, useState } from 'react'
+import { useEffect, useMemo, useRef, useState } from 'react'
 import type { KeyboardEvent, WheelEvent } from 'react'
 import { useStore } from '../store'
 import { brightness, heatMinCount, jaccard, partners, TIER_NAMES, tierCounts } from '../transforms'
 import type { CoActivation, ExpertGrid } from '../transforms'
+import type { Activity } from '../store'
 
 const TIER_CLASS = ['t-disk', 't-ram', 't-pinned', 't-other']
 
@@ -101,8 +102,131 @@ function Live({ g }: { g: ExpertGrid }) {
   )
 }
 
+
+/** Which experts each recent prompt used: one small grid per prompt, brightness = share of samples. */
+function PromptAtlas({ activities, g }: { activities: Activity[]; g: ExpertGrid }) {
+  const shown = activities.filter((a) => a.counts && a.samples > 0 && a.rows === g.rows && a.cols === g.cols).slice().reverse()
+  if (!shown.length) return null
+  return (
+    <div className="prompt-atlas" data-testid="prompt-atlas">
+      <h2>Experts by prompt</h2>
+      <p className="hint">
+        The experts routed while each recent prompt ran (layers top to bottom, experts left to right; brighter = routed
+        in more of the sampled steps).
+      </p>
+      {shown.map((a, k) => {
+        const top = topExperts(a, 3)
+        return (
+          <div className="prompt-row" key={k} data-testid="prompt-row">
+            <div
+              className="mini-grid"
+              style={{ gridTemplateColumns: `repeat(${a.cols}, minmax(3px, 8px))` }}
+              role="img"
+              aria-label={`experts used by: ${a.label}`}
+            >
+              {Array.from(a.counts!, (c, i) => (
+                <span
+                  key={i}
+                  className={c > 0 ? 'on' : ''}
+                  style={c > 0 ? { opacity: 0.25 + (0.75 * c) / a.samples } : undefined}
+                  title={`layer ${Math.floor(i / a.cols)} · expert ${i % a.cols}: ${c} of ${a.samples} samples`}
+                />
+              ))}
+            </div>
+            <div className="prompt-text">
+              <b>{a.label.length > 90 ? a.label.slice(0, 90) + '…' : a.label}</b>
+              <span className="hint">
+                {a.samples} sample{a.samples === 1 ? '' : 's'} · most used: {top.map((t) => `L${t.layer}#${t.expert}`).join(', ')}
+              </span>
+            </div>
+          </div>
+        )
+      })}
+    </div>
+  )
+}
+
+function topExperts(a: Activity, k: number) {
+  const idx = Array.from(a.counts!.keys()).filter((i) => a.counts![i] > 0)
+  idx.sort((x, y) => a.counts![y] - a.counts![x] || x - y)
+  return idx.slice(0, k).map((i) => ({ layer: Math.floor(i / a.cols), expert: i % a.cols }))
+}
+
+const AXIS = 22
+
+/** The co-activation matrix on a canvas (a 256-expert layer is 65,536 cells). */
+function AtlasCanvas(props: {
+  n: number
+  cell: number
+  values: number[]
+  max: number
+  hover: [number, number] | null
+  onHover: (h: [number, number] | null) => void
+  label: string
+}) {
+  const { n, cell, values, max, hover, onHover, label } = props
+  const ref = useRef<HTMLCanvasElement>(null)
+  const size = AXIS + n * cell
+  useEffect(() => {
+    const c = ref.current
+    const ctx = c?.getContext('2d')
+    if (!c || !ctx) return
+    const dpr = window.devicePixelRatio || 1
+    c.width = Math.round(size * dpr)
+    c.height = Math.round(size * dpr)
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0)
+    const css = getComputedStyle(c)
+    const accent = css.getPropertyValue('--accent').trim() || '#16875a'
+    const border = css.getPropertyValue('--border').trim() || '#ccc'
+    const muted = css.getPropertyValue('--muted').trim() || '#888'
+    ctx.clearRect(0, 0, size, size)
+    const gap = cell >= 6 ? 1 : 0
+    for (let a = 0; a < n; a++)
+      for (let b = 0; b < n; b++) {
+        const v = values[a * n + b]
+        ctx.globalAlpha = a === b ? 1 : max ? 0.06 + 0.94 * (v / max) : 0.06
+        ctx.fillStyle = a === b ? border : accent
+        ctx.fillRect(AXIS + b * cell, AXIS + a * cell, cell - gap, cell - gap)
+      }
+    ctx.globalAlpha = 1
+    ctx.fillStyle = muted
+    ctx.font = '9px system-ui, sans-serif'
+    const every = Math.max(1, Math.ceil(14 / cell))
+    for (let i = 0; i < n; i += every) {
+      ctx.textAlign = 'right'
+      ctx.fillText(String(i), AXIS - 3, AXIS + i * cell + cell / 2 + 3)
+      ctx.textAlign = 'center'
+      ctx.fillText(String(i), AXIS + i * cell + cell / 2, AXIS - 6)
+    }
+    if (hover) {
+      ctx.strokeStyle = css.getPropertyValue('--focus').trim() || '#2f6fde'
+      ctx.lineWidth = 1.5
+      ctx.strokeRect(AXIS + hover[1] * cell, AXIS + hover[0] * cell, cell - gap, cell - gap)
+    }
+  }, [n, cell, values, max, hover, size])
+  return (
+    <canvas
+      ref={ref}
+      style={{ width: size, height: size }}
+      role="img"
+      aria-label={label}
+      data-testid="atlas-canvas"
+      data-n={n}
+      onMouseLeave={() => onHover(null)}
+      onMouseMove={(e) => {
+        const r = e.currentTarget.getBoundingClientRect()
+        const b = Math.floor((e.clientX - r.left - AXIS) / cell)
+        const a = Math.floor((e.clientY - r.top - AXIS) / cell)
+        if (a >= 0 && b >= 0 && a < n && b < n) {
+          if (!hover || hover[0] !== a || hover[1] !== b) onHover([a, b])
+        } else if (hover) onHover(null)
+      }}
+    />
+  )
+}
+
 function Explore({ g }: { g: ExpertGrid }) {
-  const { co, coVersion, resetHistory } = useStore()
+  const { co, coVersion, resetHistory, activities } = useStore()
   const [layer, setLayer] = useState(0)
   const [zoom, setZoom] = useState(1)
   const [hover, setHover] = useState<[number, number] | null>(null)
@@ -124,7 +248,6 @@ function Explore({ g }: { g: ExpertGrid }) {
     // eslint-disable-next-line react-hooks/exhaustive-deps
   }, [valid, L, n, coVersion])
   const cell = Math.max(4, Math.min(40, Math.floor(480 / Math.max(n, 1))))
-  const size = n * cell
   function onWheel(e: WheelEvent) {
     if (!e.ctrlKey && !e.altKey) return
     e.preventDefault()
@@ -175,45 +298,15 @@ function Explore({ g }: { g: ExpertGrid }) {
         </p>
       ) : (
         <div className="atlas-wrap" onWheel={onWheel} data-testid="atlas">
-          <svg
-            width={size * zoom + 30 * zoom}
-            height={size * zoom + 30 * zoom}
-            viewBox={`-30 -30 ${size + 30} ${size + 30}`}
-            role="img"
-            aria-label={`Co-activation of the ${n} experts of layer ${L}`}
-            onMouseLeave={() => setHover(null)}
-          >
-            {Array.from({ length: n }, (_, i) => (
-              <g key={i} className="axis">
-                {(n <= 32 || i % 8 === 0) && (
-                  <>
-                    <text x={-4} y={i * cell + cell / 2 + 3} textAnchor="end">
-                      {i}
-                    </text>
-                    <text x={i * cell + cell / 2} y={-6} textAnchor="middle">
-                      {i}
-                    </text>
-                  </>
-                )}
-              </g>
-            ))}
-            {matrix.m.map((v, k) => {
-              const a = Math.floor(k / n)
-              const b = k % n
-              return (
-                <rect
-                  key={k}
-                  x={b * cell}
-                  y={a * cell}
-                  width={cell - 1}
-                  height={cell - 1}
-                  className={a === b ? 'diag' : 'co'}
-                  style={a === b ? undefined : { fillOpacity: matrix.max ? 0.06 + 0.94 * (v / matrix.max) : 0.06 }}
-                  onMouseEnter={() => setHover([a, b])}
-                />
-              )
-            })}
-          </svg>
+          <AtlasCanvas
+            n={n}
+            cell={cell * zoom}
+            values={matrix.m}
+            max={matrix.max}
+            hover={hover}
+            onHover={setHover}
+            label={`Co-activation of the ${n} experts of layer ${L}`}
+          />
         </div>
       )}
       <div className="cell-info" aria-live="polite">
@@ -231,6 +324,7 @@ function Explore({ g }: { g: ExpertGrid }) {
           <span className="hint">Hover the map; Ctrl+wheel or the buttons zoom.</span>
         )}
       </div>
+      <PromptAtlas activities={activities} g={g} />
     </div>
   )
 }

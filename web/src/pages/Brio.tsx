@@ -11,7 +11,7 @@ const VERDICT_TEXT = {
 }
 
 export function Brio() {
-  const { settings, coli, model, onError } = useStore()
+  const { settings, coli, model, onError, beginActivity, setGenerating } = useStore()
   const [doc, setDoc] = useState('The cat sat on the mat all afternoon, watching the birds outside.')
   const [question, setQuestion] = useState('Where did the cat sit?')
   const [optionsText, setOptionsText] = useState('on the mat\nin the garden\non the roof')
@@ -23,6 +23,8 @@ export function Brio() {
   async function run() {
     setBusy(true)
     setError('')
+    beginActivity(`Brio: ${question.trim() || doc.trim().slice(0, 60)}`)
+    setGenerating(true)
     try {
       const body: Record<string, unknown> = { state: doc, options }
       if (question.trim()) body.question = question.trim()
@@ -34,6 +36,7 @@ export function Brio() {
       setResult(null)
     } finally {
       setBusy(false)
+      setGenerating(false)
     }
   }
 

@@ -52,7 +52,7 @@ export function TierBar({ memory }: { memory?: Record<string, number> | null }) 
 
 export function Chat() {
   const store = useStore()
-  const { settings, coli, model, health, setGenerating, onError } = store
+  const { settings, coli, model, health, setGenerating, beginActivity, onError } = store
   const [messages, setMessages] = useState<Turnout[]>([])
   const [input, setInput] = useState('')
   const [system, setSystem] = useState('')
@@ -88,6 +88,7 @@ export function Chat() {
     setMessages([...history, assistant])
     setInput('')
     setBusy(true)
+    beginActivity(text)
     setGenerating(true)
     const ctl = new AbortController()
     abortRef.current = ctl
