@@ -198,7 +198,11 @@ def test_narrow_terminal_stacks_the_panes():
             assert side.y >= chat.bottom and side.width == 80
             await send(pilot, app, "hi")
             await wait_for(pilot, lambda: not app.busy)
-            assert app.query_one("#prompt").region.height > 0
+            await pilot.pause(0.1)
+            screen = app.screen.region
+            for selector in ("#status", "#transcript", "#prompt", "#routing", "#profile", "Footer"):
+                region = app.query_one(selector).region
+                assert region.height > 0 and screen.contains_region(region), selector
 
     run(body())
 

@@ -156,8 +156,26 @@ def test_routing_pane_wraps_wide_layers():
     g = ExpertGrid(np.ones((rows, cols), np.uint8), np.zeros((rows, cols), np.uint8), np.zeros((rows, cols), bool))
     lines = render_routing(g, None, width=36).plain.splitlines()
     assert lines[0].startswith("L0 ") and lines[1].startswith("   ") and lines[2].startswith("L1 ")
-    assert all(len(line) <= 36 for line in lines)
+    assert len(lines) == 4 and all(len(line) <= 36 for line in lines)
     assert render_routing(None).plain == NO_EXPERTS
+
+
+def test_routing_pane_packs_two_layers_a_row_when_short_of_room():
+    rows, cols = 5, 8
+    g = ExpertGrid(np.ones((rows, cols), np.uint8), np.arange(rows * cols).reshape(rows, cols).astype(np.uint8) % 64,
+                   np.zeros((rows, cols), bool))
+    assert len(render_routing(g, None, width=40, max_lines=5).plain.splitlines()) == 5  # fits: one layer a row
+    text = render_routing(g, None, width=40, max_lines=4)
+    lines = text.plain.splitlines()
+    assert [line.split()[0] for line in lines] == ["L0", "L2", "L4"] and lines[0].count("▀") == 8
+    styles = {str(span.style) for span in text.spans}
+    assert any(" on #" in st for st in styles)  # the lower layer is the background colour
+
+
+def test_compact_profile_legend():
+    lines = render_profile(turn(), width=36, compact=True).plain.splitlines()
+    assert len(lines) == 4 and all(len(line) <= 36 for line in lines)
+    assert "I/O 25%" in lines[1] and "other 15%" in lines[2]
 
 
 def test_profile_pane_snapshot():

@@ -31,6 +31,7 @@ HELP = """\
 **Keys**: Enter send · Up/Down history · Esc or Ctrl+C stop the answer · F2 routing pane · \
 F3 profiling pane · F4 expand reasoning · F5 next slot · Ctrl+Q quit"""
 BATCH_SECONDS = 0.03  # a fast model's tokens reach the UI in batches, so the UI thread leaves the engine be
+POLL_SECONDS = 0.5  # how often a server's /experts is read
 NARROW = 110  # columns below which the panes go under the transcript
 HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"
 
@@ -68,6 +69,7 @@ class ChatApp(App):
         self._info = {}
         self._views: list[MessageView] = []
         self._status_text = ""
+        self._polled = 0.0  # when /experts was last asked for
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="top"):
@@ -101,7 +103,17 @@ class ChatApp(App):
         self.apply_width(event.size.width)
 
     def apply_width(self, width: int) -> None:
-        self.query_one("#body").set_class(width < NARROW, "narrow")
+        if not hasattr(self, "routing"):  # a resize before on_mount
+            return
+        narrow = width < NARROW
+        self.query_one("#body").set_class(narrow, "narrow")
+        body = self.size.height - 2  # the top line and the footer
+        if narrow:  # the side row may take 45% of the body, borders included
+            lines = int(body * 0.45) - 2
+        else:
+            lines = body - ((self.profile.outer_size.height or 13) if self.show_profile else 0) - 2
+        self.routing.max_lines = max(2, lines)
+        self.routing.show_grid(self.routing.grid, force=True)
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -308,6 +320,7 @@ class ChatApp(App):
     def watch_show_profile(self, show: bool) -> None:
         self.query_one(ProfilePane).display = show
         self._side()
+        self.call_after_refresh(self.apply_width, self.size.width)  # the routing pane may grow
 
     def _side(self) -> None:
         self.query_one("#side").display = self.show_routing or self.show_profile
@@ -365,7 +378,10 @@ class ChatApp(App):
         if not self.show_routing or not self.routing.is_attached:
             return
         if self.backend.remote:
-            self.poll_server()
+            now = time.monotonic()
+            if now - self._polled >= POLL_SECONDS:
+                self._polled = now
+                self.poll_server()
         else:
             self.routing.show_grid(self.backend.grid(), idle_decay=0.85)
 

@@ -16,33 +16,46 @@ from coli.tui.grid import TIER_DISK, TIER_NAMES, TIER_PINNED, TIER_RAM, TIER_RGB
 from coli.tui.stats import PHASES, History, TurnStats, bar_widths
 
 CELL = "■"
+COMPACT_HEIGHT = 32  # terminals shorter than this get the short profile legend
 NO_EXPERTS = "This model is dense: it has no experts to route."
 
 
-def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40) -> Text:
-    """One row per MoE layer (wrapped when the experts outnumber the width), a legend."""
+HALF = "▀"  # two layers in one character: the upper in the foreground, the lower in the background
+LEGEND = "  ".join(f"[#%02x%02x%02x]{CELL}[/] {TIER_NAMES[t]}" % TIER_RGB[t] for t in (TIER_PINNED, TIER_RAM, TIER_DISK))
+
+
+def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40, max_lines: int | None = None) -> Text:
+    """One row of cells per MoE layer, wrapped when the experts outnumber the width. When
+    that is more than ``max_lines`` rows, two layers share a row (half blocks)."""
     if grid is None or grid.empty:
         return Text(NO_EXPERTS, style="italic")
     rows, cols = grid.shape
     label = len(str(rows - 1)) + 2  # "L7 "
     per_line = max(4, width - label)
+    wraps = -(-cols // per_line)
+    half = max_lines is not None and rows * wraps > max_lines and rows > 1
     colors = cell_colors(grid, flash)
     out = Text(no_wrap=True)
-    for r in range(rows):
+    for r in range(0, rows, 2 if half else 1):
         for start in range(0, cols, per_line):
             out.append((f"L{r}" if start == 0 else "").ljust(label), style="dim")
             for c in range(start, min(cols, start + per_line)):
-                out.append(CELL, style=colors[r][c])
+                if not half:
+                    out.append(CELL, style=colors[r][c])
+                else:
+                    below = f" on {colors[r + 1][c]}" if r + 1 < rows else ""
+                    out.append(HALF, style=colors[r][c] + below)
             out.append("\n")
-    for t in (TIER_PINNED, TIER_RAM, TIER_DISK):
-        out.append(CELL, style="#%02x%02x%02x" % TIER_RGB[t])
-        out.append(f" {TIER_NAMES[t]}  ")
-    out.append("\nbright = hot · white = just routed", style="dim")
+    out.rstrip()
     return out
 
 
-def render_profile(turn: TurnStats | None, width: int = 40) -> Text:
-    """The last turn's time split as one bar, then a legend with seconds and shares."""
+SHORT = {"io_wait": "I/O", "expert_matmul": "matmul", "attention": "attn", "lm_head": "head", "other": "other"}
+
+
+def render_profile(turn: TurnStats | None, width: int = 40, compact: bool = False) -> Text:
+    """The last turn's time split as one bar, then a legend with milliseconds and shares
+    (``compact``: shares only, several phases a line, for short terminals)."""
     if turn is None:
         return Text("No answer yet: the time split of each turn shows here.", style="italic")
     out = Text(no_wrap=True)
@@ -51,9 +64,21 @@ def render_profile(turn: TurnStats | None, width: int = 40) -> Text:
         out.append("█" * n, style=colour)
     out.append("\n")
     total = sum(s for *_, s in turn.split()) or 1.0
-    for key, label, colour, secs in turn.split():
-        out.append("█ ", style=colour)
-        out.append(f"{label:<16}{secs * 1000:8.1f} ms {secs / total:4.0%}\n")
+    if compact:
+        used = 0
+        for key, _, colour, secs in turn.split():
+            item = f"{SHORT[key]} {secs / total:.0%}  "
+            if used and used + len(item) + 2 > width:
+                out.append("\n")
+                used = 0
+            out.append("█ ", style=colour)
+            out.append(item)
+            used += len(item) + 2
+        out.append("\n")
+    else:
+        for key, label, colour, secs in turn.split():
+            out.append("█ ", style=colour)
+            out.append(f"{label:<16}{secs * 1000:8.1f} ms {secs / total:4.0%}\n")
     tps = turn.tokens_per_second
     out.append(f"{turn.completion_tokens} tokens", style="bold")
     out.append(f" · {tps:.1f} tok/s" if tps else "")
@@ -72,8 +97,12 @@ class RoutingPane(Widget):
         self.grid: ExpertGrid | None = None
         self.flash = Flash()
         self.border_title = "Routing"
+        self.border_subtitle = LEGEND
+        self.tooltip = "One cell per expert per MoE layer. Colour: where it lives. Bright: often routed. " \
+                       "White: routed in the latest step."
+        self.max_lines: int | None = None  # rows the pane may take (set by the app's layout)
         self._text = render_routing(None)
-        self._drawn = None  # what the screen shows: (seq, flash sum, heat sum, tiers), width
+        self._drawn = None  # what the screen shows: (seq, flash sum, heat sum, tiers), width, max_lines
 
     def render(self) -> Text:
         return self._text
@@ -86,11 +115,11 @@ class RoutingPane(Widget):
         width = max(10, self.content_size.width or 40)
         key = None if grid is None else (grid.seq, float(self.flash.value.sum()), int(grid.heat.sum()),
                                          grid.tiers.tobytes())
-        if not force and self._drawn == (key, width):
+        if not force and self._drawn == (key, width, self.max_lines):
             return
         lines = len(self._text.plain.splitlines())
-        self._drawn = (key, width)
-        self._text = render_routing(grid, self.flash.value, width)
+        self._drawn = (key, width, self.max_lines)
+        self._text = render_routing(grid, self.flash.value, width, self.max_lines)
         # a colour change repaints the pane; only a change of its height lays the screen out again
         self.refresh(layout=len(self._text.plain.splitlines()) != lines)
 
@@ -109,11 +138,19 @@ class ProfilePane(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "Profile"
+        self.history: History | None = None
+
+    def on_resize(self) -> None:
+        """Redraw for the new width (and the short legend on short terminals)."""
+        if self.history is not None:
+            self.show(self.history)
 
     def show(self, history: History) -> None:
         """Draw the latest turn and the speed history."""
+        self.history = history
         width = max(10, self.content_size.width or 40)
-        self.query_one("#split", Static).update(render_profile(history.last, width))
+        compact = self.screen.size.height < COMPACT_HEIGHT
+        self.query_one("#split", Static).update(render_profile(history.last, width, compact))
         speeds = history.speeds()
         label = f"tok/s, last {len(speeds)} turns" + (f": {min(speeds):.1f}…{max(speeds):.1f}" if speeds else "")
         self.query_one("#speed-label", Static).update(label)
