@@ -173,7 +173,7 @@ def _zsh_spec(o: Opt) -> list[str]:
 
 
 def zsh(root: Cmd) -> str:
-    out = [f"#compdef coli", f"# zsh completion for coli: {HEADER}.",
+    out = ["#compdef coli", f"# zsh completion for coli: {HEADER}.",
            "# Install: copy it as _coli into a directory on $fpath (e.g. ~/.zfunc, with fpath+=~/.zfunc "
            "before compinit).", ""]
     for c in root.walk():

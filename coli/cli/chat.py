@@ -11,7 +11,6 @@ running ``coli serve`` instead of loading a model.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -21,10 +20,10 @@ from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOp
                              load_options, messages_for, open_runner, stderr, user_errors)
 from coli.errors import ColiError
 from coli.scheduler.events import Error, ReasoningDelta, TextDelta
+from coli.tui.conversation import HISTORY_FILE
 
 HELP = ("Commands: /clear (new conversation), /system TEXT, /help, /quit (or Ctrl-D). "
         "Alt-Enter (Esc, Enter) starts a new line; Ctrl-C stops an answer.")
-HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"
 
 PlainOpt = Annotated[bool, typer.Option("--plain", help="A line REPL (prompt_toolkit) instead of the full-screen app.")]
 UrlOpt = Annotated[Optional[str], typer.Option(

@@ -20,7 +20,7 @@ from textual.widgets import Collapsible, Footer, Select, Static
 
 from coli.errors import ColiError
 from coli.scheduler.events import Error, Finished, ReasoningDelta, Started, TextDelta
-from coli.tui.conversation import Conversation, Message
+from coli.tui.conversation import HISTORY_FILE, Conversation, Message
 from coli.tui.stats import History, TurnStats
 from coli.tui.widgets import MessageView, ProfilePane, PromptInput, RoutingPane
 
@@ -33,7 +33,6 @@ F3 profiling pane · F4 expand reasoning · F5 next slot · Ctrl+Q quit"""
 BATCH_SECONDS = 0.03  # a fast model's tokens reach the UI in batches, so the UI thread leaves the engine be
 POLL_SECONDS = 0.5  # how often a server's /experts is read
 NARROW = 110  # columns below which the panes go under the transcript
-HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"
 
 
 class ChatApp(App):
@@ -88,7 +87,7 @@ class ChatApp(App):
     def on_mount(self) -> None:
         self.routing, self.profile = self.query_one(RoutingPane), self.query_one(ProfilePane)
         self.transcript = self.query_one("#transcript", VerticalScroll)
-        self.status = self.query_one("#status", Static)
+        self.status_line = self.query_one("#status", Static)
         self._info = self.backend.info()
         self.sub_title = self._info.get("model", "")
         self.refresh_status()
@@ -96,13 +95,14 @@ class ChatApp(App):
         self.refresh_panes()
         self.set_interval(self.refresh_seconds, self.refresh_panes)
         self.set_interval(0.1, self.flush_views)
-        self.apply_width(self.size.width)
+        self.fit_layout(self.size.width)
 
     def on_resize(self, event) -> None:
         """Stack the panes under the transcript on narrow terminals."""
-        self.apply_width(event.size.width)
+        self.fit_layout(event.size.width)
 
-    def apply_width(self, width: int) -> None:
+    def fit_layout(self, width: int) -> None:
+        """Narrow or wide layout, and the rows the routing pane may take."""
         if not hasattr(self, "routing"):  # a resize before on_mount
             return
         narrow = width < NARROW
@@ -320,7 +320,7 @@ class ChatApp(App):
     def watch_show_profile(self, show: bool) -> None:
         self.query_one(ProfilePane).display = show
         self._side()
-        self.call_after_refresh(self.apply_width, self.size.width)  # the routing pane may grow
+        self.call_after_refresh(self.fit_layout, self.size.width)  # the routing pane may grow
 
     def _side(self) -> None:
         self.query_one("#side").display = self.show_routing or self.show_profile
@@ -357,7 +357,7 @@ class ChatApp(App):
     # -- status and panes ---------------------------------------------------------------------------
 
     def refresh_status(self) -> None:
-        if not hasattr(self, "status"):  # before on_mount
+        if not hasattr(self, "status_line"):  # before on_mount
             return
         info, last = self._info, self.history.last
         parts = [info.get("model", "?"), info.get("quant", "?"), f"{info.get('resident', '?')} resident"]
@@ -369,9 +369,9 @@ class ChatApp(App):
         if self.busy:
             parts.append("● answering")
         text = " · ".join(parts)
-        if text != self._status_text and self.status.is_attached:  # an update lays the screen out again
+        if text != self._status_text and self.status_line.is_attached:  # an update lays the screen out again
             self._status_text = text
-            self.status.update(text)
+            self.status_line.update(text)
 
     def refresh_panes(self) -> None:
         """Read the experts again (a worker does it for a server)."""

@@ -5,6 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+HISTORY_FILE = Path.home() / ".cache" / "coli" / "chat_history"  # the app's and --plain's input history
+
 
 @dataclass
 class Message:
