@@ -252,6 +252,28 @@ try {
     await kctx.close()
   }
 
+  // ---------------------------------------------------------------- another OpenAI-compatible server
+  if (process.env.OTHER_URL) {
+    const octx = await browser.newContext({ viewport: { width: 1024, height: 700 } })
+    const op = await octx.newPage()
+    watch(op, 'other')
+    await op.goto(URL + '/')
+    await op.getByTestId('model').filter({ hasNotText: '…' }).waitFor()
+    await op.getByTestId('settings-open').click()
+    await op.getByTestId('settings').getByPlaceholder('https://api.example.com').fill(process.env.OTHER_URL)
+    await op.getByTestId('settings-save').click()
+    await op.getByTestId('model').filter({ hasText: 'other-model' }).waitFor({ timeout: 10000 })
+    await op.getByTestId('chat-input').fill('Hello')
+    await op.getByTestId('send').click()
+    await op.getByTestId('send').waitFor({ timeout: 30000 })
+    const r = (await op.getByTestId('msg-assistant').last().locator('> .text').textContent()).trim()
+    check(r === 'Hi from another server.' && (await op.getByTestId('chat-error').count()) === 0,
+      `Chat works against another OpenAI-compatible server: ${JSON.stringify(r)}`)
+    await op.getByTestId('dock-brain').click()
+    check(/needs a colibri server/.test(await op.locator('.brain').textContent()), 'and the colibri-only pages say what they need')
+    await octx.close()
+  }
+
   check(problems.length === 0, `no console errors${problems.length ? ': ' + problems.join(' | ') : ''}`)
 } catch (e) {
   if (!failed) console.log(`FAIL ${e.stack || e}`)

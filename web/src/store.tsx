@@ -123,17 +123,18 @@ export function StoreProvider({ children }: { children: ReactNode }) {
     let cancelled = false
     ;(async () => {
       try {
-        const m = await getJSON<{ data: { id: string }[] }>(settings, '/v1/models')
-        if (!cancelled) setModels(m.data.map((d) => d.id))
+        const m = await getJSON<{ data: { id: string; owned_by?: string }[] }>(settings, '/v1/models')
+        if (cancelled) return
+        setModels(m.data.map((d) => d.id))
+        // colibri's own endpoints (/experts, /profile, /v1/brio) only where the models say so:
+        // no probing of paths another OpenAI-compatible server does not have
+        setColi(m.data.some((d) => d.owned_by === 'colibri'))
         setNeedKey(false)
       } catch (e) {
-        if (!cancelled) onError(e)
-      }
-      try {
-        const ex = await getJSON<ExpertsSnapshot>(settings, '/experts')
-        if (!cancelled) setColi(typeof ex.rows === 'number' && typeof ex.cells === 'string')
-      } catch {
-        if (!cancelled) setColi(false)
+        if (!cancelled) {
+          setColi(false)
+          onError(e)
+        }
       }
     })()
     return () => {
