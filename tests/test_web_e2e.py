@@ -106,8 +106,10 @@ class OtherEndpoint:
                                                     "type": "invalid_request_error"}}, status=400)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            for piece in ("Hi ", "from ", "another ", "server."):
-                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": piece}}]}
+            pieces = [("reasoning_content", "Let me "), ("reasoning_content", "think."),
+                      *(("content", p) for p in ("Hi ", "from ", "another ", "server."))]
+            for field, piece in pieces:
+                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {field: piece}}]}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(0.05)
             await response.write(b"data: [DONE]\n\n")

@@ -6,7 +6,7 @@
 // Prints one line per check and exits non-zero on the first failure. Screenshots of each
 // page go to $OUT. tests/test_web_e2e.py starts the servers and runs this.
 import { chromium } from 'playwright-core'
-import { mkdirSync } from 'node:fs'
+import { mkdirSync, readFileSync } from 'node:fs'
 import { join } from 'node:path'
 
 const URL = process.env.COLI_URL
@@ -119,6 +119,22 @@ try {
   check(stopped.trim().endsWith('…'), `Stop ends the streaming answer (${JSON.stringify(stopped.slice(0, 40))})`)
   check((await page.getByTestId('chat-error').count()) === 0, 'stopping is not an error')
   await throttle(page, 0)
+
+  // KV slot: answer in slot 0 (cache_slot), then export the conversation.
+  await page.getByTestId('slot').selectOption('0')
+  await page.getByTestId('chat-input').fill('What does cat mean?')
+  await page.getByTestId('send').click()
+  await page.getByTestId('send').waitFor({ timeout: 60000 })
+  const slotReply = (await page.getByTestId('msg-assistant').last().locator('> .text').textContent()).trim()
+  check(slotReply.length > 0 && (await page.getByTestId('chat-error').count()) === 0, 'an answer in KV slot 0')
+  const [md] = await Promise.all([page.waitForEvent('download'), page.getByRole('button', { name: 'Export .md' }).click()])
+  const mdText = readFileSync(await md.path(), 'utf8')
+  check(md.suggestedFilename() === 'conversation.md' && mdText.includes('## You\n\nWhat does cat mean?') && mdText.includes(slotReply.slice(0, 20)),
+    'export as Markdown')
+  const [js] = await Promise.all([page.waitForEvent('download'), page.getByRole('button', { name: 'Export .json' }).click()])
+  const exported = JSON.parse(readFileSync(await js.path(), 'utf8'))
+  check(exported.messages.length === 6 && exported.messages[4].content === 'What does cat mean?', 'export as JSON')
+  await page.getByTestId('slot').selectOption('any')
   await shot(page, 'chat.png')
 
   // Brio: probabilities of the allowed answers sum to 1, entropy in 0..1.
@@ -269,6 +285,11 @@ try {
     const r = (await op.getByTestId('msg-assistant').last().locator('> .text').textContent()).trim()
     check(r === 'Hi from another server.' && (await op.getByTestId('chat-error').count()) === 0,
       `Chat works against another OpenAI-compatible server: ${JSON.stringify(r)}`)
+    const reasoning = op.getByTestId('reasoning-block').last()
+    check((await reasoning.textContent()).includes('Let me think.'), 'its streamed reasoning is shown apart from the answer')
+    check((await reasoning.getAttribute('open')) === null, 'and folded once the answer is done')
+    await reasoning.locator('summary').click()
+    check((await reasoning.getAttribute('open')) !== null, 'and unfolds on a click')
     await op.getByTestId('dock-brain').click()
     check(/needs a colibri server/.test(await op.locator('.brain').textContent()), 'and the colibri-only pages say what they need')
     await octx.close()
