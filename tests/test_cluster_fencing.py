@@ -290,3 +290,15 @@ def test_without_ray_the_command_says_how_to_install_it(monkeypatch):
     result = CliRunner().invoke(app, ["cluster", "status"])
     assert result.exit_code == 2
     assert "pip install 'coli[cluster]'" in result.output
+
+
+def test_serve_cluster_without_ray_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from coli.cli.main import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    result = CliRunner().invoke(app, ["serve", "--cluster", "auto", "--port", "0"])
+    assert result.exit_code == 2 and "pip install 'coli[cluster]'" in result.output

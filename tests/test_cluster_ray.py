@@ -30,7 +30,8 @@ def cluster():
     runner = None
     try:
         runner = coli.cluster.start(None, workers=2, address="auto", load_options=dict(threads=1),
-                                    runner_options=dict(kv_slots=2), start_timeout=WAIT)
+                                    runner_options=dict(kv_slots=2), start_timeout=WAIT,
+                                    max_restarts=20)  # the tests kill workers several times
         yield runner
     finally:
         if runner is not None:
@@ -264,3 +265,18 @@ def test_score_runs_on_a_worker(healthy, model):
     assert isinstance(evs[-1], Finished)
     scores = next(e for e in evs if isinstance(e, PromptLogprobs))
     assert len(scores.logprobs) == len(ids) - 3 and all(x <= 0 for x in scores.logprobs)
+
+
+def test_a_dead_worker_leaves_the_table_loses_its_index_and_is_restarted(healthy, model):
+    r = healthy
+    p = prompt(model, "A long enough question about the history of bridges and tunnels, please.")
+    before = routed(r)
+    assert isinstance(events(r.submit(p, max_tokens=4, sampling=GREEDY))[-1], Finished)
+    victim = worker_of(r, before)
+    wait_for(lambda: r.catalog.counts().get(victim, 0) > 0, "the index to learn the prefix")
+    epoch = r.status[victim]["epoch"]
+    ray.kill(r.transport.handles[victim], no_restart=False)
+    wait_for(lambda: victim not in r.alive or r.status[victim]["epoch"] != epoch, "the heartbeat to notice")
+    assert r.catalog.match(p, [victim])[victim] == 0  # its entries were dropped
+    wait_for(lambda: victim in r.alive and r.status[victim]["epoch"] != epoch, "Ray to restart it")
+    assert r.catalog.counts().get(victim, 0) == 0  # a new incarnation starts empty

@@ -20,14 +20,16 @@ __all__ = ["Balance", "Catalog", "ClusterConfig", "ClusterMetrics", "ClusterRunn
 def start(model_path=None, *, workers: int = 2, address: str | None = "auto", worker_cpus: float = 1,
           load_options: dict | None = None, runner_options: dict | None = None, config: ClusterConfig | None = None,
           state_dir=None, cluster: str = "coli", block: int | None = None, num_cpus: int | None = None,
-          start_timeout: float = 300.0) -> ClusterRunner:
-    """Connect to Ray (``address``), start ``workers`` actors and return their router."""
+          start_timeout: float = 300.0, max_restarts: int = 3) -> ClusterRunner:
+    """Connect to Ray (``address``), start ``workers`` actors and return their router.
+    ``max_restarts``: how often Ray restarts each worker that dies (-1: always)."""
     from coli.cluster import ray_backend
     from coli.cluster.index import DEFAULT_BLOCK
 
     ray_backend.connect(address, num_cpus=num_cpus)
     handles = ray_backend.start_workers(workers, None if model_path is None else str(model_path),
                                         load_options=load_options, runner_options=runner_options,
-                                        worker_cpus=worker_cpus, block=block, cluster=cluster)
+                                        worker_cpus=worker_cpus, block=block, cluster=cluster,
+                                        max_restarts=max_restarts)
     catalog = Catalog(state_dir, block or DEFAULT_BLOCK)
     return ClusterRunner(ray_backend.RayTransport(handles), config, catalog=catalog, start_timeout=start_timeout)
