@@ -182,3 +182,33 @@ def test_interrupted_conversion_leaves_nothing_loadable(tmp_path):
     assert partial and not (partial[0] / "coli.json").exists()
     with pytest.raises(ModelLoadError):
         coli.load(partial[0])
+
+
+def test_olmoe_mini_streams_at_a_quarter_of_its_experts(tmp_path):
+    """The issue's check at a realistic shape: olmoe-mini (int4, 32 experts top-4, hidden
+    1024) with a RAM budget of 25% of its expert bytes decodes exactly the greedy tokens of
+    the fully resident run, reading experts from disk and missing the cache sometimes."""
+    from coli import synthetic
+
+    d = synthetic.write_converted("olmoe-mini", tmp_path / "olmoe-mini-int4", "int4", seed=3)
+    ids = list(range(100, 116))
+    resident = coli.load(d, threads=2)
+    want = coli_greedy(resident, ids, 12)
+    resident.close()
+    streamed = coli.load(d, threads=2, ram_budget=expert_bytes(d) // 4)
+    assert not streamed.weights.store.resident
+    assert coli_greedy(streamed, ids, 12) == want
+    t = streamed.engine.totals
+    assert t.bytes_read > 0 and t.hit_rate < 1.0
+    streamed.close()
+
+
+def coli_greedy(model, ids, n):
+    eng = model.engine
+    cache = eng.new_cache()
+    logits = eng.step([(cache, ids)])
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits[0])))
+        logits = eng.step([(cache, out[-1:])])
+    return out
