@@ -197,6 +197,7 @@ def test_http_second_turn_reports_the_workers_cached_tokens(healthy, server_url)
     body = conn.getresponse().read().decode()
     conn.close()
     assert "colibri_cluster_routed_total" in body and "colibri_cluster_fenced_dropped" in body
+    assert 'colibri_cluster_worker_scheduler_completed{worker="coli-worker-0"}' in body
 
 
 def test_client_disconnect_frees_the_workers_slot(healthy, server_url):

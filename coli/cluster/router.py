@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -71,6 +71,8 @@ class ClusterMetrics:
         self.blocks = Gauge(p + "worker_prefix_blocks", "Prefix blocks the index holds for the worker", ["worker"],
                             registry=r)
         self._routed = self._hits = self._prompt = self._cached = 0
+        self.workers_status: Callable[[], dict] = dict  # set by the runner: worker -> its last status report
+        r.register(_WorkerCollector(self))
 
     def count_route(self, worker: str, hit: bool) -> None:
         self.routed.labels(worker).inc()
@@ -90,6 +92,27 @@ class ClusterMetrics:
 
     def value(self, name: str, labels: dict | None = None) -> float | None:
         return self.registry.get_sample_value(name, labels or {})
+
+
+class _WorkerCollector:
+    """Each worker's own scheduler figures, from its last status report (heartbeat)."""
+
+    GAUGES = ("active", "queued", "admitted", "completed", "failed", "cancelled", "rejected", "timed_out")
+
+    def __init__(self, metrics: ClusterMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        reports = self.metrics.workers_status()
+        for key in self.GAUGES:
+            g = GaugeMetricFamily(f"colibri_cluster_worker_scheduler_{key}",
+                                  f"The worker's colibri_scheduler {key} figure (its last heartbeat)", labels=["worker"])
+            for name, s in sorted(reports.items()):
+                if key in s:
+                    g.add_metric([name], float(s[key]))
+            yield g
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,7 @@ class ClusterRunner:
         self.cluster = config or ClusterConfig()
         self.catalog = catalog or Catalog()
         self.metrics = ClusterMetrics()
+        self.metrics.workers_status = lambda: dict(self.status)
         self.scheduler = _SchedulerView(self)
         self.closed = False
         self.alive: set[str] = set()
