@@ -40,9 +40,14 @@ async function shot(page, file) {
   await page.screenshot({ path: join(OUT, file), fullPage: false })
 }
 
+const sessions = new WeakMap() // one DevTools session per page: conditions set by one are undone by it
 async function throttle(page, bytesPerSecond) {
-  const cdp = await page.context().newCDPSession(page)
-  await cdp.send('Network.enable')
+  let cdp = sessions.get(page)
+  if (!cdp) {
+    cdp = await page.context().newCDPSession(page)
+    await cdp.send('Network.enable')
+    sessions.set(page, cdp)
+  }
   await cdp.send('Network.emulateNetworkConditions', {
     offline: false,
     latency: 0,
@@ -105,7 +110,7 @@ try {
   check(/RAM .*B/.test(await page.getByTestId('tierbar').textContent()), 'the tier bar shows RAM and disk bytes')
 
   // Stop: the Stop button ends the answer while it streams; the composer is usable again.
-  await throttle(page, 600)
+  await throttle(page, 1500)
   await page.getByTestId('chat-input').fill('Tell me a long story about a dog')
   await page.getByTestId('send').click()
   await page.getByTestId('stop').waitFor()
