@@ -104,7 +104,7 @@ class Worker:
         return bool(h is not None and h.cancel())
 
     def status(self) -> dict:
-        d = self.kv.diff(self._histories())  # noqa: F841 (published is what we report)
+        self.kv.diff(self._histories())  # bring ``published`` up to date; it is what we report
         snap = self.runner.scheduler.snapshot()
         return dict(snap, name=self.name, epoch=self.epoch, info=self.info(), steps=self.runner.steps,
                     assignments=len(self.handles), taken=len(self.seen), kv_seq=self.kv.seq,
