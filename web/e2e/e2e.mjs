@@ -273,6 +273,21 @@ try {
     await kctx.close()
   }
 
+  // ---------------------------------------------------------------- a server that went away
+  {
+    const gone = await browser.newContext({ viewport: { width: 1024, height: 700 } })
+    const gp = await gone.newPage() // not watched: the refused requests are logged as errors, as they should be
+    await gp.goto(URL + '/')
+    await gp.getByTestId('model').filter({ hasNotText: '…' }).waitFor()
+    await gp.route(/\/(health|experts|profile|v1\/models)$/, (r) => r.abort('connectionrefused'))
+    await gp.getByTestId('offline').waitFor({ timeout: 15000 })
+    check(true, 'when the server stops answering, the page says so')
+    await gp.unroute(/\/(health|experts|profile|v1\/models)$/)
+    await gp.getByTestId('offline').waitFor({ state: 'detached', timeout: 15000 })
+    check(true, 'and clears it when the server is back')
+    await gone.close()
+  }
+
   // ---------------------------------------------------------------- another OpenAI-compatible server
   if (process.env.OTHER_URL) {
     const octx = await browser.newContext({ viewport: { width: 1024, height: 700 } })

@@ -129,7 +129,12 @@ export function App() {
         <span className="model" data-testid="model" title="model">
           {store.model || '…'}
         </span>
-        {store.coli && h && (
+        {!store.reachable && (
+          <span className="status offline" role="status" data-testid="offline">
+            <i className="bad" /> cannot reach the server
+          </span>
+        )}
+        {store.reachable && store.coli && h && (
           <span className="status" data-testid="status">
             <i className={h.status === 'ok' ? 'ok' : 'bad'} /> {h.active ?? 0} active · {h.queued ?? 0} queued
           </span>

@@ -27,6 +27,7 @@ export interface Store {
   models: string[]
   model: string
   health: Health | null
+  reachable: boolean // the last /health or /v1/models call got an answer
   grid: ExpertGrid | null
   co: CoActivation | null
   coVersion: number
@@ -91,6 +92,7 @@ export function StoreProvider({ children }: { children: ReactNode }) {
   const [coli, setColi] = useState(false)
   const [models, setModels] = useState<string[]>([])
   const [health, setHealth] = useState<Health | null>(null)
+  const [reachable, setReachable] = useState(true)
   const [grid, setGrid] = useState<ExpertGrid | null>(null)
   const [profile, setProfile] = useState<ProfileData | null>(null)
   const [generating, setGeneratingState] = useState(false)
@@ -130,9 +132,11 @@ export function StoreProvider({ children }: { children: ReactNode }) {
         // no probing of paths another OpenAI-compatible server does not have
         setColi(m.data.some((d) => d.owned_by === 'colibri'))
         setNeedKey(false)
+        setReachable(true)
       } catch (e) {
         if (!cancelled) {
           setColi(false)
+          setReachable(e instanceof ApiError)
           onError(e)
         }
       }
@@ -153,7 +157,9 @@ export function StoreProvider({ children }: { children: ReactNode }) {
     async () => {
       try {
         setHealth(await getJSON<Health>(settings, '/health'))
+        setReachable(true)
       } catch (e) {
+        setReachable(e instanceof ApiError) // an HTTP answer, even an error, means it is there
         onError(e)
       }
     },
@@ -230,6 +236,7 @@ export function StoreProvider({ children }: { children: ReactNode }) {
     models,
     model,
     health,
+    reachable,
     grid,
     co: coRef.current,
     coVersion,

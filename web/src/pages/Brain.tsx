@@ -69,7 +69,7 @@ function Live({ g }: { g: ExpertGrid }) {
       <div
         className="grid-wrap"
         tabIndex={0}
-        role="grid"
+        role="group"
         aria-label={`Expert grid: ${g.rows} layers by ${g.cols} experts. Arrow keys move between experts.`}
         onKeyDown={onKey}
         onMouseLeave={() => setFocus(null)}
