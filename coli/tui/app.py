@@ -360,7 +360,8 @@ class ChatApp(App):
         if not hasattr(self, "status_line"):  # before on_mount
             return
         info, last = self._info, self.history.last
-        parts = [info.get("model", "?"), info.get("quant", "?"), f"{info.get('resident', '?')} resident"]
+        parts = [info.get("model", "?")] + ([info["quant"]] if info.get("quant") else []) + \
+            [f"{info.get('resident', '?')} resident"]
         tps = last.tokens_per_second if last else None
         parts.append(f"{tps:.1f} tok/s" if tps else "– tok/s")
         parts.append(f"TTFT {last.ttft * 1000:.0f} ms" if last and last.ttft is not None else "TTFT –")

@@ -155,7 +155,7 @@ class RemoteBackend:
     def info(self) -> dict:
         m = self._memory
         resident = sum(int(m.get(k) or 0) for k in ("dense_bytes", "experts_pinned_bytes", "experts_ram_bytes"))
-        return {"model": self.name, "quant": "server", "resident": human_bytes(resident) if m else "?"}
+        return {"model": self.name, "resident": human_bytes(resident) if m else "?"}  # /health tells no format
 
     def stream(self, messages: list[dict], slot: int) -> Iterator:
         self._cancelled.clear()
