@@ -41,8 +41,17 @@ function Live({ g }: { g: ExpertGrid }) {
   }
 
   const cells = []
+  const labelEvery = Math.max(1, Math.ceil(g.rows / 40))
   for (let i = 0; i < g.rows * g.cols; i++) {
     const routed = g.routed[i] === 1
+    if (i % g.cols === 0) {
+      const layer = i / g.cols
+      cells.push(
+        <span key={`l${layer}`} className="row-label" aria-hidden="true">
+          {layer % labelEvery === 0 ? `L${layer}` : ''}
+        </span>,
+      )
+    }
     cells.push(
       <span
         key={i}
@@ -79,7 +88,7 @@ function Live({ g }: { g: ExpertGrid }) {
         }}
         data-testid="expert-grid"
       >
-        <div className="expert-grid" style={{ gridTemplateColumns: `repeat(${g.cols}, minmax(6px, 30px))` }}>
+        <div className="expert-grid" style={{ gridTemplateColumns: `max-content repeat(${g.cols}, minmax(6px, 30px))` }}>
           {cells}
         </div>
       </div>
