@@ -140,7 +140,7 @@ def weight_bytes_per_token(model) -> int:
                 total += size(v)
         return total
 
-    total = size(net.lm_head) + net.norm.nbytes
+    total = (0 if id(net.lm_head.mat) in seen else net.lm_head.mat.nbytes) + net.norm.nbytes
     for layer in net.layers:
         total += size(layer.attn) + size(layer.mlp) + layer.input_norm.nbytes + layer.post_norm.nbytes
     for moe in net.moe_layers:
