@@ -9,10 +9,13 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from server_kit import WAIT, chat_model_dir, http  # noqa: F401 (fixtures)
 
 
-def test_coli_serve_starts_answers_and_stops(chat_model_dir, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_coli_serve_starts_answers_and_stops(chat_model_dir, tmp_path, stop):
     env = {**os.environ, "COLI_API_KEY": "k3y", "COLI_ALLOWED_HOSTS": "box.lan,other.lan", "COLI_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "coli.cli", "serve", "--model", str(chat_model_dir), "--port", "0",
                              "--model-id", "tiny-cli", "--kv-slots", "2", "--ctx", "128", "--no-kv-persist"],
@@ -41,6 +44,6 @@ def test_coli_serve_starts_answers_and_stops(chat_model_dir, tmp_path):
             {"x-api-key": "k3y"})
         assert status == 200 and out["usage"]["completion_tokens"] <= 2
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         code = proc.wait(WAIT)
     assert code == 0, "".join(lines)

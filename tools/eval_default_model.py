@@ -9,6 +9,9 @@ synset pos+offset, 5%), then prints:
   * overlap: share of 200 held-out "What does 'X' mean?" questions whose greedy answer's
     first 5 content words (non-stopwords) share at least one word with the true gloss,
   * how many of those greedy answers stopped at <|im_end|>,
+  * common words: for a fixed list of 30 everyday words (COMMON_WORDS), whether the greedy
+    answer to "What does '<w>' mean?" overlaps (first 5 content words) / starts with the
+    gloss of the word's most frequent sense (cntlist.rev usage counts),
   * a few sample greedy answers.
 Needs /usr/share/wordnet (apt-get install wordnet-base).
 """
@@ -28,10 +31,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "coli" / "default_model"))
     ap.add_argument("--overlap-n", type=int, default=200)
+    ap.add_argument("--common-only", action="store_true", help="only the common-word check (fast)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    metrics = evaluate_dir(Path(args.model), n_overlap=args.overlap_n)
+    metrics = evaluate_dir(Path(args.model), n_overlap=args.overlap_n, common_only=args.common_only)
     print(json.dumps(metrics, indent=2))
 
 

@@ -134,6 +134,33 @@ def load_wordnet(root: Path = WORDNET_DIR):
     return synsets, index
 
 
+CNTLIST_POS = {"1": "n", "2": "v", "3": "a", "4": "r", "5": "a"}
+
+
+def load_usage(root: Path = WORDNET_DIR):
+    """Real usage counts from WordNet's cntlist.rev (`sense_key sense_number tag_cnt`,
+    SemCor tag counts): lemma -> {pos: total count}, and (lemma, pos, sense_number) -> count."""
+    by_pos, by_sense = {}, {}
+    with open(root / "cntlist.rev", encoding="latin-1") as f:
+        for line in f:
+            key, sn, cnt = line.split()
+            lem, _, rest = key.partition("%")
+            pos = CNTLIST_POS[rest[0]]
+            lem = wn_clean(lem)
+            d = by_pos.setdefault(lem, {})
+            d[pos] = d.get(pos, 0) + int(cnt)
+            k = (lem, pos, int(sn))
+            by_sense[k] = by_sense.get(k, 0) + int(cnt)
+    return by_pos, by_sense
+
+
+def usage_pos(lemma, by_pos, usage):
+    """The part of speech a plain "What does 'x' mean?" answers with: the most used one
+    by cntlist.rev counts; ties (and unseen words) fall back to the tagged-sense order."""
+    u = usage.get(lemma, {})
+    return sorted(by_pos, key=lambda p: (-u.get(p, 0), -by_pos[p][0], "nvar".index(p)))
+
+
 def is_heldout(key) -> bool:
     h = hashlib.sha256(f"{SEED}:{key[0]}:{key[1]}".encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < HOLDOUT_PCT
@@ -158,9 +185,17 @@ HYPER_Q = ["What is '{w}' a kind of?", "What kind of thing is '{w}'?"]
 EX_Q = ["Use '{w}' in a sentence.", "Give an example sentence with '{w}'."]
 
 
-def build_examples(synsets, index, rng: random.Random):
-    """Returns (train, heldout, heldout_defs); each item = (question, answer, weight)."""
-    train, held, held_defs = [], [], []
+def build_examples(synsets, index, rng: random.Random, usage=None, core_min_count=4):
+    """Returns (train, heldout, heldout_defs); each item = (question, answer, weight).
+
+    With `usage` (lemma -> {pos: cntlist.rev count}, the phase-2 data) it returns
+    (train, heldout, heldout_defs, core) instead: the plain definition question goes to the
+    most *used* part of speech, and `core` holds extra exchanges for every lemma used at
+    least `core_min_count` times: its most frequent sense's gloss under every definition
+    phrasing, plus a synonym from that synset (the most used other lemma), sharing the lemma
+    weight 1 + ln(count) (canonical question 0.5, other phrasings 0.3, synonym 0.2). The
+    held-out split is the same (it only depends on the synset)."""
+    train, held, held_defs, core = [], [], [], []
 
     def add(q, a, keys, w):
         (held if any(is_heldout(k) for k in keys) else train).append((q, a, w))
@@ -172,8 +207,12 @@ def build_examples(synsets, index, rng: random.Random):
         if not lemma or len(lemma) > 40:
             continue
         # plain question goes to the pos with most tagged senses (noun on ties)
-        order = sorted(by_pos, key=lambda p: (-by_pos[p][0], "nvar".index(p)))
+        if usage is None:
+            order = sorted(by_pos, key=lambda p: (-by_pos[p][0], "nvar".index(p)))
+        else:
+            order = usage_pos(lemma, by_pos, usage)
         total_cnt = sum(c for c, _ in by_pos.values())
+        used = sum(usage.get(lemma, {}).values()) if usage is not None else 0
         for rank, pos in enumerate(order):
             cnt, offs = by_pos[pos]
             key = (pos, offs[0])
@@ -181,8 +220,18 @@ def build_examples(synsets, index, rng: random.Random):
             if ss is None or not ss["definition"]:
                 continue
             ans = sentence(ss["definition"])
-            if ss["examples"] and rng.random() < 0.5:
-                ans += f' For example: "{ss["examples"][0]}"'
+            if ss["examples"] and rng.random() < 0.5 and not (rank == 0 and used >= core_min_count):
+                ans += f' For example: "{ss["examples"][0]}"'  # core answers: the gloss alone
+            if rank == 0 and usage is not None and used >= core_min_count and not is_heldout(key):
+                cw = 1.0 + math.log(used)
+                qs = DEF_Q[1:] + (DEF_Q_NOUN if pos == "n" else [])
+                core.append((f"What does '{lemma}' mean?", ans, cw * 0.5))
+                for q in qs:
+                    core.append((q.format(w=lemma), ans, cw * 0.3 / len(qs)))
+                others = [o for o in ss["words"] if o != lemma]
+                if others:
+                    best = max(others, key=lambda o: (sum(usage.get(o, {}).values()), -others.index(o)))
+                    core.append((f"Give a synonym for '{lemma}'.", f"A synonym for '{lemma}' is '{best}'.", cw * 0.2))
             if rank == 0:
                 qs = DEF_Q + (DEF_Q_NOUN if pos == "n" else [])
                 q = rng.choice(qs).format(w=lemma)
@@ -227,6 +276,10 @@ def build_examples(synsets, index, rng: random.Random):
 
     for q, a in SMALL_TALK:
         train.append((q, a, 40.0))
+        if usage is not None:
+            core.append((q, a, 3.0))
+    if usage is not None:
+        return train, held, held_defs, core
     return train, held, held_defs
 
 
@@ -324,6 +377,40 @@ SAMPLE_QS = ["What does 'ocean' mean?", "What does 'harbor' mean?", "What does '
              "What is 'oak' a kind of?", "What does 'run' mean?", "Who are you?"]
 
 
+# Fixed list of everyday words (chosen before phase 2 was trained; not tuned on results).
+# river and horse are in the 5% held-out synsets, so their glosses were never trained on.
+COMMON_WORDS = ["ocean", "river", "dog", "house", "water", "tree", "book", "city", "king", "chair",
+                "bread", "doctor", "winter", "garden", "horse", "music", "teacher", "mountain", "ship",
+                "moon", "sun", "door", "table", "child", "food", "friend", "road", "window", "bird",
+                "flower"]
+
+
+def common_eval(model, tok, synsets, index, usage, words=COMMON_WORDS, verbose=True):
+    """Ask `What does '<w>' mean?` for each common word; hit = the greedy answer's first 5
+    content words share one with the gloss of the word's most frequent sense (most used part
+    of speech by cntlist.rev, sense 1); exact = the answer starts with that gloss."""
+    hits, exact, rows = 0, 0, []
+    n_known, hits_known = 0, 0
+    for w in words:
+        by_pos = index[w]
+        pos = usage_pos(w, by_pos, usage)[0]
+        key = (pos, by_pos[pos][1][0])
+        gloss = synsets[key]["definition"]
+        ans, ended = greedy(model, tok, f"What does '{w}' mean?")
+        hit = bool(set(content_words(ans)[:5]) & set(content_words(gloss)))
+        ex = ans.lower().startswith(sentence(gloss).lower().rstrip("."))
+        held = is_heldout(key)
+        hits += hit; exact += ex
+        if not held:
+            n_known += 1; hits_known += hit
+        rows.append((w, held, hit, ex, ans, gloss))
+        if verbose:
+            print(f"  {'HIT ' if hit else 'miss'}{' (held out)' if held else ''} {w}: {ans}"
+                  f"{'' if ended else '  [no <|im_end|>]'}\n        true: {gloss}", flush=True)
+    return dict(common_hits=hits, common_exact=exact, common_n=len(words),
+                common_hits_trained=hits_known, common_n_trained=n_known)
+
+
 def make_batches(tok, pairs, bs, pad_id, shuffle_rng=None):
     import torch
     enc = [encode_pair(tok, q, a) for q, a in pairs]
@@ -365,6 +452,13 @@ def build_data():
     return synsets, index, train, held, held_defs
 
 
+def build_freq_data(synsets, index, usage, min_count):
+    """Phase-2 data (same held-out split): (general exchanges, core exchanges)."""
+    rng = random.Random(SEED + 1)
+    train2, _, _, core = build_examples(synsets, index, rng, usage=usage, core_min_count=min_count)
+    return train2, core
+
+
 # ---------------------------------------------------------------- main -------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -386,6 +480,15 @@ def main():
                     help="skip the main phase: load a raw checkpoint written by an earlier run "
                          "(/tmp/default_model_ckpt.pt) and the tokenizer.json saved next to it by --out")
     ap.add_argument("--resume-tokenizer", default=None, help="tokenizer.json of the resumed run")
+    ap.add_argument("--freq-minutes", type=float, default=0.0,
+                    help="phase 2 (after the main phase, or after --resume): continue on a mixture that "
+                         "upweights the most frequent sense of frequent lemmas by cntlist.rev usage counts; "
+                         "shipped: 35")
+    ap.add_argument("--freq-lr", type=float, default=1e-3)
+    ap.add_argument("--freq-core-frac", type=float, default=0.6,
+                    help="share of phase-2 samples drawn from the frequent-word core (rest: all training data)")
+    ap.add_argument("--freq-min-count", type=int, default=4,
+                    help="core = lemmas with at least this many tagged uses in cntlist.rev")
     ap.add_argument("--overlap-n", type=int, default=200, help="held-out definition questions to score")
     ap.add_argument("--bench", action="store_true", help="time 10 steps and exit")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -418,13 +521,15 @@ def main():
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     print(f"tokenizer vocab={len(tok)} im_start={im_start} im_end={im_end} eot={eot}", flush=True)
 
-    enc = [encode_pair(tok, q, a) for q, a, _ in train]
-    enc = [(i[:256], l[:256]) for i, l in enc]
     weights = np.array([w for _, _, w in train], dtype=np.float64)
     probs = weights / weights.sum()
-    ntok = np.array([len(i) for i, _ in enc])
-    print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()} "
-          f"weighted-epoch tokens={int((ntok).sum())} ({time.time()-t0:.0f}s)", flush=True)
+    enc, ntok = None, None
+    if not args.resume or args.core_minutes > 0:  # phase-1 data is only needed by the main/core phases
+        enc = [encode_pair(tok, q, a) for q, a, _ in train]
+        enc = [(i[:256], l[:256]) for i, l in enc]
+        ntok = np.array([len(i) for i, _ in enc])
+        print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()} "
+              f"weighted-epoch tokens={int((ntok).sum())} ({time.time()-t0:.0f}s)", flush=True)
 
     config = AutoConfig.for_model(
         "qwen3_moe",
@@ -448,21 +553,35 @@ def main():
 
     core = np.array([w >= 4.5 for _, _, w in train])
     print(f"core subset: {int(core.sum())} exchanges", flush=True)
-    phases = [] if args.resume else [("main", args.minutes, args.lr, probs, 200)]
+    phases = [] if args.resume else [("main", args.minutes, args.lr, enc, ntok, probs, 200)]
     if args.core_minutes > 0:
         cp = np.where(core, weights, 0.0)
-        phases.append(("core", args.core_minutes, args.core_lr, cp / cp.sum(), 50))
+        phases.append(("core", args.core_minutes, args.core_lr, enc, ntok, cp / cp.sum(), 50))
+    usage = load_usage()[0]
+    if args.freq_minutes > 0:
+        train2, core2 = build_freq_data(synsets, index, usage, args.freq_min_count)
+        pairs2 = train2 + core2
+        enc2 = [encode_pair(tok, q, a) for q, a, _ in pairs2]
+        enc2 = [(i[:256], l[:256]) for i, l in enc2]
+        ntok2 = np.array([len(i) for i, _ in enc2])
+        wg = np.array([w for _, _, w in train2]); wc = np.array([w for _, _, w in core2])
+        probs2 = np.concatenate([(1 - args.freq_core_frac) * wg / wg.sum(), args.freq_core_frac * wc / wc.sum()])
+        n_core_lemmas = len({q for q, _, _ in core2 if q.startswith("What does '")})
+        print(f"freq phase data: general={len(train2)} core={len(core2)} exchanges "
+              f"({n_core_lemmas} lemmas with >= {args.freq_min_count} uses), core share {args.freq_core_frac} "
+              f"({time.time()-t0:.0f}s)", flush=True)
+        phases.append(("freq", args.freq_minutes, args.freq_lr, enc2, ntok2, probs2, 100))
     np_rng = np.random.default_rng(SEED)
     step, toks_seen, train_secs = 0, 0, 0.0
-    for phase, minutes, base_lr, phase_probs, warmup in phases:
+    for phase, minutes, base_lr, p_enc, p_ntok, phase_probs, warmup in phases:
         print(f"phase {phase}: {minutes} min, lr {base_lr}", flush=True)
         s0, t0_, sec0 = step, toks_seen, time.time()
-        step, toks_seen = train_phase(model, config, enc, ntok, phase_probs, args, minutes * 60.0, base_lr,
+        step, toks_seen = train_phase(model, config, p_enc, p_ntok, phase_probs, args, minutes * 60.0, base_lr,
                                       warmup, np_rng, eot, step, toks_seen)
         train_secs += time.time() - sec0
     print(f"training done: {step} steps, {toks_seen} tokens, {train_secs/60:.1f} min", flush=True)
-    save_and_eval(model, tok, config, args, nparams, held, held_defs, step, toks_seen, train_secs, t0,
-                  im_start, im_end, eot)
+    save_and_eval(model, tok, config, args, nparams, (synsets, index, train, held, held_defs), step,
+                  toks_seen, train_secs, t0, im_start, im_end, eot)
 
 
 def train_phase(model, config, enc, ntok, probs, args, budget, base_lr, warmup, np_rng, eot, step0, toks0):
@@ -509,7 +628,7 @@ def train_phase(model, config, enc, ntok, probs, args, budget, base_lr, warmup, 
     return step0 + step, toks_seen
 
 
-def save_and_eval(model, tok, config, args, nparams, held, held_defs, step, toks_seen, train_secs, t0,
+def save_and_eval(model, tok, config, args, nparams, data, step, toks_seen, train_secs, t0,
                   im_start, im_end, eot):
     import torch
     # ---- save (raw checkpoint first, so a failure below never loses the training run)
@@ -544,10 +663,13 @@ def save_and_eval(model, tok, config, args, nparams, held, held_defs, step, toks
     if not (out_dir / "chat_template.jinja").exists():
         (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     add_compat_keys(out_dir)
+    for f in out_dir.iterdir():  # save_pretrained may write 0600; the package ships them world-readable
+        if f.is_file():
+            f.chmod(0o644)
     model = model.float()
 
     # ---- evaluate (reload from disk to prove it round-trips)
-    metrics = evaluate_dir(out_dir, held, held_defs, args.overlap_n)
+    metrics = evaluate_dir(out_dir, data, args.overlap_n)
     metrics.update(train_steps=step, train_tokens=toks_seen, train_minutes=round(train_secs / 60, 1),
                    params=nparams, save_dtype=save_dtype, seed=SEED)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
@@ -573,19 +695,22 @@ def add_compat_keys(out_dir):
     tp.write_text(json.dumps(t, indent=2, ensure_ascii=False) + "\n")
 
 
-def evaluate_dir(out_dir, held=None, held_defs=None, n_overlap=200):
+def evaluate_dir(out_dir, data=None, n_overlap=200, common_only=False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if held is None:
-        _, _, _, held, held_defs = build_data()
+    synsets, index, _, held, held_defs = data if data is not None else build_data()
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What does 'ocean' mean?"}],
                                      add_generation_prompt=True, tokenize=False)
     assert prompt == render("What does 'ocean' mean?"), repr(prompt)
     print("chat template renders:", repr(prompt), flush=True)
-    metrics = run_eval(model, tok, [(q, a) for q, a, _ in held], held_defs, n_overlap)
+    print(f"common words ({len(COMMON_WORDS)}), What does '<w>' mean?:", flush=True)
+    metrics = common_eval(model, tok, synsets, index, load_usage()[0])
+    if common_only:
+        return metrics
+    metrics.update(run_eval(model, tok, [(q, a) for q, a, _ in held], held_defs, n_overlap))
     print("samples:", flush=True)
     for q in SAMPLE_QS:
         ans, ended = greedy(model, tok, q)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 
 from aiohttp import web
@@ -80,12 +81,17 @@ async def start(server: Server, host: str | None = None, port: int | None = None
 
 
 async def serve(server: Server, on_ready=None) -> None:
-    """Serve until cancelled (Ctrl-C); ``on_ready(url)`` once listening."""
+    """Serve until cancelled (Ctrl-C) or SIGTERM; ``on_ready(url)`` once listening."""
     runner, url = await start(server)
+    stop = asyncio.Event()
+    try:  # SIGTERM (docker stop, systemd) ends it like Ctrl-C, so KV slots are still saved
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        pass
     if on_ready is not None:
         on_ready(url)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
 

@@ -86,6 +86,36 @@ class Generation:
     async def events(self, keepalive: float | None = None) -> AsyncIterator[tuple[int, object] | None]:
         """(choice index, event) until every choice has ended; None after ``keepalive``
         seconds without an event (time for a keepalive frame)."""
+        next_item = self._one() if len(self.handles) == 1 else self._merged()
+        while True:
+            try:
+                if keepalive:
+                    async with asyncio.timeout(keepalive):
+                        item = await next_item()
+                else:
+                    item = await next_item()
+            except TimeoutError:
+                yield None
+                continue
+            if item is None:
+                return
+            self._observe(*item)
+            yield item
+
+    def _one(self):
+        """The next event of the only choice (no queue: this is per token, keep it short)."""
+        handle = self.handles[0]
+
+        async def next_item():
+            try:
+                return 0, await handle.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        return next_item
+
+    def _merged(self):
+        """The next event of any choice, in arrival order."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def read(i: int, h: RequestHandle) -> None:
@@ -96,17 +126,17 @@ class Generation:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(read(i, h)) for i, h in enumerate(self.handles)]
         open_ = len(self.handles)
-        while open_:
-            try:
-                i, ev = await asyncio.wait_for(queue.get(), keepalive) if keepalive else await queue.get()
-            except asyncio.TimeoutError:
-                yield None
-                continue
-            if ev is None:
+
+        async def next_item():
+            nonlocal open_
+            while open_:
+                i, ev = await queue.get()
+                if ev is not None:
+                    return i, ev
                 open_ -= 1
-                continue
-            self._observe(i, ev)
-            yield i, ev
+            return None
+
+        return next_item
 
     def cancel(self) -> None:
         """Cancel every choice still running (a no-op for those that ended)."""

@@ -1,9 +1,10 @@
 """Server-sent events to one client without letting a slow reader hold anything up.
 
 The handler formats events and hands their bytes to ``SSEStream.send``, which never
-waits: bytes go into the stream's own buffer and a writer task moves them to the socket.
-The socket's buffer has explicit watermarks (``stream_high`` / ``stream_low``): above the
-high one the writer waits until the kernel has taken the buffer below the low one. The
+waits for the client: while the socket's buffer is below its high watermark the bytes go
+straight to it; otherwise they go into the stream's own buffer, and a writer task moves
+them on once the kernel has taken the socket's buffer below the low watermark
+(``stream_high`` / ``stream_low``). The
 engine thread never waits for any client (events queue per request), so a client that
 stops reading only grows its own buffers; once they hold more than ``stream_ceiling``
 bytes the stream is dropped (the connection aborted) and the caller cancels its request.
@@ -38,6 +39,7 @@ class SSEStream:
         self._buf = bytearray()
         self._wake = asyncio.Event()
         self._closing = False
+        self._busy = False  # the writer task is in a write
         self._writer: asyncio.Task | None = None
         self.dropped = False  # past the ceiling: the connection was aborted
         self.broken = False  # the client went away
@@ -65,10 +67,21 @@ class SSEStream:
         transport = self.request.transport
         return len(self._buf) + (transport.get_write_buffer_size() if transport is not None else 0)
 
-    def send(self, data: bytes) -> bool:
-        """Queue bytes; False once the stream is gone (dropped or disconnected)."""
+    async def send(self, data: bytes) -> bool:
+        """Queue bytes; False once the stream is gone (dropped or disconnected). Never waits
+        for the client: with room in the socket buffer the bytes go straight to it, else
+        to the stream's buffer and the writer task."""
         if not self.alive:
             return False
+        transport = self.request.transport
+        if not self._buf and not self._busy and transport is not None \
+                and transport.get_write_buffer_size() < self.high:
+            try:
+                await self.response.write(data)  # below the high watermark: returns without waiting
+            except (ConnectionError, RuntimeError):
+                self.broken = True
+                return False
+            return True
         self._buf += data
         if self.pending() > self.ceiling:
             self._drop()
@@ -104,7 +117,9 @@ class SSEStream:
                 while self._buf and self.alive:
                     chunk = bytes(self._buf)
                     self._buf.clear()
+                    self._busy = True
                     await self.response.write(chunk)  # waits while the socket buffer is above `high`
+                    self._busy = False
                 if self._closing or not self.alive:
                     return
         except (ConnectionError, RuntimeError):
@@ -133,7 +148,7 @@ async def run_stream(request, server, gen, first: bytes, on_event, closing, keep
     metrics.streams_open.inc()
     try:
         await stream.open(gen.headers)
-        stream.send(first)
+        await stream.send(first)
         async for item in gen.events(cfg.keepalive):
             if item is None:
                 data = keepalive
@@ -141,15 +156,16 @@ async def run_stream(request, server, gen, first: bytes, on_event, closing, keep
                 i, ev = item
                 if isinstance(ev, Error):
                     gen.cancel()
-                    stream.send(error_frames(from_coli(ev.exception())))
+                    await stream.send(error_frames(from_coli(ev.exception())))
                     break
                 data = await on_event(i, ev)
-            if data and not stream.send(data):
+            if data and not await stream.send(data):
+                stream.abort()
                 gen.cancel()  # the client is gone or not reading: free its slots now
                 (metrics.dropped_total if stream.dropped else metrics.disconnects_total).inc()
                 return stream.response
         else:
-            stream.send(closing())
+            await stream.send(closing())
         await stream.close()
         return stream.response
     except BaseException as e:
