@@ -77,8 +77,8 @@ def test_usage_reports_the_reused_prefix(client, srv):
     again = chat(client, messages=convo + [{"role": "assistant", "content": first.choices[0].message.content},
                                            {"role": "user", "content": "More."}],
                  max_tokens=4, temperature=0, extra_body={"cache_slot": 3}, stream=False)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0 or first.usage.prompt_tokens_details.cached_tokens < \
-        first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    # the second turn starts with the first turn's prompt and answer, which slot 3 holds
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     s = list(chat(client, messages=convo, max_tokens=4, temperature=0, stream=True,
                   stream_options={"include_usage": True}, extra_body={"cache_slot": 3}))
@@ -320,9 +320,8 @@ def test_leading_stop_is_ignored_when_asked(client):
 
 
 def test_implicit_role_marker_stops(client, srv):
-    # a model that writes a new turn as text ends at the marker, except where it leads the answer
-    SCRIPTS[9010] = "<|im_start|>"
-    assert srv.tokenizer.token_to_id("<|im_start|>") in srv.tokenizer.special_token_ids
+    # a model that starts a new turn ends at the marker, except where the marker leads the answer
+    assert srv.tokenizer.token_to_id("<|im_start|>") in srv.tokenizer.special_token_ids  # a stop token id
     SCRIPTS[9010] = "Done.<|im_start|>user\nmore"
     r = chat(client, seed=9010, max_tokens=40)
     assert r.choices[0].message.content == "Done." and r.choices[0].finish_reason == "stop"

@@ -30,7 +30,7 @@ PUBLIC = {"/health"}  # answer without a key (with less in them)
 ALLOW_METHODS = "GET, POST, OPTIONS"
 ALLOW_HEADERS = ("authorization, content-type, x-api-key, anthropic-version, anthropic-beta, "
                  "anthropic-dangerous-direct-browser-access, openai-organization, openai-project")
-EXPOSE_HEADERS = "x-colibri-queue-wait-ms, retry-after, x-request-id"
+EXPOSE_HEADERS = "x-colibri-queue-wait-ms, retry-after"
 AUTHENTICATED = web.RequestKey("authenticated", bool)
 
 
