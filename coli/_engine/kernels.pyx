@@ -29,8 +29,8 @@ cdef extern from "simd.h" nogil:
                       float *Y, long ldy)
     float coli_silu(float x)
     float coli_gelu_tanh(float x)
-    void coli_gemm_panel(const float *X, long ldx, int M, const float *W, long ldw, int nb, int K,
-                         float *Y, long ldy, float *P)
+    void coli_pack_tokens(const float *X, long ldx, int M, int K, float *P)
+    void coli_gemm_tokens(const float *P, int M, const float *W, long ldw, int nb, int K, float *Y, long ldy)
     enum:
         COLI_NP
 
@@ -65,21 +65,20 @@ cdef enum:
     QK = 32             # quantization group
 
 cdef int _nthreads = 1
-cdef float *_panels = NULL   # one packing panel (K * COLI_NP floats) per thread, grown as needed
+cdef float *_panels = NULL   # packed token panels of the current GEMM, grown as needed
 cdef size_t _panels_cap = 0
-cdef int PANEL_MIN_ROWS = 48  # from this many tokens on, f32 linear layers pack weight panels
+cdef int PANEL_MIN_ROWS = 48  # from this many tokens on, f32 matmuls pack the tokens into panels
 
 
 def set_panel_min_rows(int rows):
-    """Tune where f32 linear layers switch from dot-product tiles to packed panels."""
+    """Tune where f32 linear layers switch from dot-product tiles to token panels."""
     global PANEL_MIN_ROWS
     PANEL_MIN_ROWS = rows
 
 
-cdef float *_panel_scratch(int K) except NULL:
-    """Room for one K x COLI_NP panel per thread (grown, never shrunk; called with the GIL)."""
+cdef float *_panel_scratch(size_t need) except NULL:
+    """Room for ``need`` floats of token panels (grown, never shrunk; called with the GIL)."""
     global _panels, _panels_cap
-    cdef size_t need = <size_t>K * COLI_NP * _nthreads
     cdef float *p
     if need > _panels_cap:
         p = <float *>realloc(_panels, need * sizeof(float))
@@ -115,22 +114,28 @@ cdef inline float _act(float x, int act) noexcept nogil:
 
 cdef void _linear(const float *X, long ldx, int M, const float *W, int N, int K,
                   float *Y, long ldy, const float *bias, float *panels) noexcept nogil:
-    """panels: per-thread packing scratch (see _panel_scratch), or NULL for the dot-product tiles."""
-    cdef int block = COLI_NP if panels != NULL else ROW_BLOCK
+    """panels: scratch for X packed into token panels (see _panel_scratch), or NULL for
+    the dot-product tiles."""
+    cdef int block = 2 * ROW_BLOCK if panels != NULL else ROW_BLOCK
     cdef int nblocks = (N + block - 1) // block
     cdef int b, n0, nb, m, n
+    if panels != NULL:
+        coli_pack_tokens(X, ldx, M, K, panels)
     for b in prange(nblocks, num_threads=_nthreads, schedule='static'):
         n0 = b * block
         nb = N - n0 if N - n0 < block else block
         if panels != NULL:
-            coli_gemm_panel(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy,
-                            panels + <long>threadid() * K * COLI_NP)
+            coli_gemm_tokens(panels, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
         else:
             coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
         if bias != NULL:
             for m in range(M):
                 for n in range(nb):
                     Y[m * ldy + n0 + n] += bias[n0 + n]
+
+
+cdef inline size_t _panel_floats(int M, int K) noexcept nogil:
+    return <size_t>((M + COLI_NP - 1) // COLI_NP) * COLI_NP * K
 
 
 def linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out, const float[::1] bias=None):
@@ -143,7 +148,7 @@ def linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out, cons
     if M == 0 or N == 0:
         return
     cdef const float *bp = &bias[0] if bias is not None else NULL
-    cdef float *panels = _panel_scratch(K) if M >= PANEL_MIN_ROWS else NULL
+    cdef float *panels = _panel_scratch(_panel_floats(M, K)) if M >= PANEL_MIN_ROWS else NULL
     with nogil:
         _linear(&x[0, 0], K, M, &w[0, 0], N, K, &out[0, 0], N, bp, panels)
 

@@ -117,7 +117,7 @@ def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1
     cdef float *panels = NULL
     if w.fmt == COLI_F32:  # the f32 path, with packed panels for many tokens
         if M >= PANEL_MIN_ROWS:
-            panels = _panel_scratch(K)
+            panels = _panel_scratch(_panel_floats(M, K))
         with nogil:
             _linear(&x[0, 0], K, M, <const float *>w.m.w, N, K, Y, N, bp, panels)
         return
@@ -174,7 +174,7 @@ def moe_scratch_ints(int M, int k, int E, int inter, int hidden):
     cdef long pairs = <long>M * k
     cdef long active = pairs if pairs < E else E
     cdef long items = active * ((inter + ROW_BLOCK - 1) // ROW_BLOCK + (hidden + ROW_BLOCK - 1) // ROW_BLOCK)
-    return 3 * E + 1 + 2 * pairs + 2 * items
+    return 4 * E + 1 + 2 * pairs + 2 * items
 
 
 def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:, ::1] weights,
@@ -217,14 +217,18 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     cdef int *offs = cnt + E                 # (E+1,) first row of each expert in xg
     cdef int *fill = offs + E + 1            # (E,)
     cdef int *slot = fill + E                # (M*k,) row of (m, j) in xg
-    cdef int *it1 = slot + pairs             # work items, phase 1 then phase 2
+    cdef int *poff = slot + pairs            # (E,) first panel row of each packed expert, or -1
+    cdef int *it1 = poff + E                 # work items, phase 1 then phase 2
     cdef int m, j, e, b, r, c, p, it, n0, nb, ne, off, n1 = 0, n2 = 0
     cdef float w
     cdef coli_act ax = _activations(&xg[0, 0], H, NULL, NULL, NULL, 0, 0)
     cdef coli_act ah = _activations(&gbuf[0, 0], inter, NULL, NULL, NULL, 0, 0)
     cdef coli_act sub
-    cdef int rb = COLI_NP if table.fmt == COLI_F32 else ROW_BLOCK  # rows per work item
-    cdef float *panels = _panel_scratch(H if H > inter else inter) if table.fmt == COLI_F32 else NULL
+    cdef int rb = 2 * ROW_BLOCK if table.fmt == COLI_F32 else ROW_BLOCK  # rows per work item
+    cdef int kmax = H if H > inter else inter
+    # f32 experts with many tokens: their gathered rows packed into token panels
+    cdef float *panels = (_panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if table.fmt == COLI_F32
+                          else NULL)
     cdef int min_rows = PANEL_MIN_ROWS
     cdef const float *Wf
     if quant:
@@ -266,6 +270,13 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                     n2 = n2 + 1
         if quant:
             _quantize_rows(&xg[0, 0], H, pairs, H, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
+        p = 0
+        for e in range(E):
+            poff[e] = -1
+            if panels != NULL and cnt[e] >= min_rows and (on == NULL or on[e]):
+                poff[e] = p
+                coli_pack_tokens(&xg[offs[e], 0], H, cnt[e], H, panels + <long>p * H)
+                p = p + (cnt[e] + COLI_NP - 1) // COLI_NP * COLI_NP
     with nogil, parallel(num_threads=_nthreads):
         for it in prange(n1, schedule='dynamic'):
             e = it1[it] // 65536
@@ -274,13 +285,11 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
             ne = cnt[e]
             off = offs[e]
             sub = _rows(ax, off)
-            if panels != NULL and ne >= min_rows:
+            if poff[e] >= 0:
                 Wf = <const float *>table.mats[3 * e].w
-                coli_gemm_panel(sub.x, H, ne, Wf + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter,
-                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+                coli_gemm_tokens(panels + <long>poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter)
                 Wf = <const float *>table.mats[3 * e + 1].w
-                coli_gemm_panel(sub.x, H, ne, Wf + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter,
-                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+                coli_gemm_tokens(panels + <long>poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter)
             else:
                 coli_gemm_any(&sub, ne, &table.mats[3 * e], n0, nb, H, &gbuf[off, 0], inter)
                 coli_gemm_any(&sub, ne, &table.mats[3 * e + 1], n0, nb, H, &ubuf[off, 0], inter)
@@ -290,6 +299,9 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     with nogil:
         if quant:
             _quantize_rows(&gbuf[0, 0], inter, pairs, inter, &hq[0, 0], &hqd[0, 0], &hqs[0, 0])
+        for e in range(E):
+            if poff[e] >= 0:
+                coli_pack_tokens(&gbuf[offs[e], 0], inter, cnt[e], inter, panels + <long>poff[e] * inter)
     with nogil, parallel(num_threads=_nthreads):
         for it in prange(n2, schedule='dynamic'):
             e = it1[n1 + it] // 65536
@@ -298,10 +310,10 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
             ne = cnt[e]
             off = offs[e]
             sub = _rows(ah, off)
-            if panels != NULL and ne >= min_rows:
+            if poff[e] >= 0:
                 Wf = <const float *>table.mats[3 * e + 2].w
-                coli_gemm_panel(sub.x, inter, ne, Wf + <long>n0 * inter, inter, nb, inter, &ybuf[off, n0], H,
-                                panels + <long>threadid() * (H if H > inter else inter) * COLI_NP)
+                coli_gemm_tokens(panels + <long>poff[e] * inter, ne, Wf + <long>n0 * inter, inter, nb, inter,
+                                 &ybuf[off, n0], H)
             else:
                 coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
     if not combine:

@@ -184,80 +184,84 @@ static inline void coli_attend(const float *q, const float *K, long ks, const fl
     coli_scale_add(o, 1.0f / l, o, 0.0f, vd);
 }
 
-/* ---- packed-panel GEMM for many tokens (prefill) ------------------------------------
- * For M >= a few rows, the dot-product tiles above spend their time on horizontal sums.
- * Here a panel of COLI_NP weight rows is first transposed into P[k][j] (k < K, j < NP),
- * then each MR x NP block of Y is an outer-product loop: per k, two vector loads of the
- * panel and MR broadcast FMAs, no reductions. The panel (K * NP floats) is the caller's
- * scratch and stays in L2 while every token passes over it. */
-#define COLI_NP (2 * CV_W)
+/* ---- token-panel GEMM for many tokens (prefill) --------------------------------------
+ * For M >= a few dozen rows, the dot-product tiles above spend their time on horizontal
+ * sums. Here the activations are packed once per GEMM into panels of COLI_NP tokens,
+ * P[t][k][j] = X[t*NP + j][k], and each block of COLI_WR weight rows x NP tokens is an
+ * outer-product loop: per k, one vector load of the token panel, COLI_WR broadcasts of
+ * weights (read straight from the row-major, possibly memory-mapped, matrix: nothing is
+ * copied) and 2*COLI_WR FMAs into COLI_WR x 2 accumulators; no reductions. */
+#define COLI_NP (2 * CV_W) /* tokens per panel */
 #if defined(__AVX512F__)
-#define COLI_MR 8
+#define COLI_WR 8
 #else
-#define COLI_MR 6
+#define COLI_WR 6
 #endif
 
-static inline void coli_pack_panel(const float *W, long ldw, int nb, int K, float *P) {
-    /* writes in order; reads nb row streams, each cache line of a row used 16 times */
-    for (int k = 0; k < K; k++) {
-        float *p = P + k * COLI_NP;
-        int j = 0;
-        for (; j < nb; j++) p[j] = W[j * ldw + k];
-        for (; j < COLI_NP; j++) p[j] = 0.0f;
+/* Pack X (M, K) into ceil(M / NP) token panels of K x NP floats (zero rows past M). */
+static inline void coli_pack_tokens(const float *X, long ldx, int M, int K, float *P) {
+    for (int t0 = 0; t0 < M; t0 += COLI_NP) {
+        float *p = P + (long)(t0 / COLI_NP) * K * COLI_NP;
+        int nt = M - t0 < COLI_NP ? M - t0 : COLI_NP;
+        for (int k = 0; k < K; k++) {
+            float *q = p + (long)k * COLI_NP;
+            int j = 0;
+            for (; j < nt; j++) q[j] = X[(long)(t0 + j) * ldx + k];
+            for (; j < COLI_NP; j++) q[j] = 0.0f;
+        }
     }
 }
 
-#define COLI_PTILE(MR)                                                                             \
-    static inline void coli_ptile_##MR(const float *X, long ldx, const float *P, int K, float *Y,  \
-                                       long ldy, int nb) {                                         \
-        cv_t a0[MR], a1[MR];                                                                       \
-        for (int i = 0; i < MR; i++) a0[i] = a1[i] = cv_zero();                                    \
+#define COLI_RTILE(WR)                                                                             \
+    static inline void coli_rtile_##WR(const float *W, long ldw, const float *P, int K, float *Y,  \
+                                       long ldy, int nt) {                                         \
+        cv_t a0[WR], a1[WR];                                                                       \
+        for (int i = 0; i < WR; i++) a0[i] = a1[i] = cv_zero();                                    \
         for (int k = 0; k < K; k++) {                                                              \
-            cv_t b0 = cv_load(P + k * COLI_NP), b1 = cv_load(P + k * COLI_NP + CV_W);              \
-            for (int i = 0; i < MR; i++) {                                                         \
-                cv_t x = cv_set1(X[i * ldx + k]);                                                  \
-                a0[i] = cv_fma(x, b0, a0[i]);                                                      \
-                a1[i] = cv_fma(x, b1, a1[i]);                                                      \
+            cv_t x0 = cv_load(P + (long)k * COLI_NP), x1 = cv_load(P + (long)k * COLI_NP + CV_W);  \
+            for (int i = 0; i < WR; i++) {                                                         \
+                cv_t w = cv_set1(W[i * ldw + k]);                                                  \
+                a0[i] = cv_fma(w, x0, a0[i]);                                                      \
+                a1[i] = cv_fma(w, x1, a1[i]);                                                      \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            if (nb == COLI_NP) {                                                                   \
-                cv_store(Y + i * ldy, a0[i]);                                                      \
-                cv_store(Y + i * ldy + CV_W, a1[i]);                                               \
-            } else {                                                                               \
-                float t[COLI_NP];                                                                  \
-                cv_store(t, a0[i]);                                                                \
-                cv_store(t + CV_W, a1[i]);                                                         \
-                for (int j = 0; j < nb; j++) Y[i * ldy + j] = t[j];                                \
-            }                                                                                      \
+        float t[WR][COLI_NP];                                                                      \
+        for (int i = 0; i < WR; i++) {                                                             \
+            cv_store(t[i], a0[i]);                                                                 \
+            cv_store(t[i] + CV_W, a1[i]);                                                          \
         }                                                                                          \
+        for (int j = 0; j < nt; j++)                                                               \
+            for (int i = 0; i < WR; i++) Y[j * ldy + i] = t[i][j];                                 \
     }
-COLI_PTILE(1) COLI_PTILE(2) COLI_PTILE(3) COLI_PTILE(4) COLI_PTILE(5) COLI_PTILE(6)
-#if COLI_MR == 8
-COLI_PTILE(7) COLI_PTILE(8)
+COLI_RTILE(1) COLI_RTILE(2) COLI_RTILE(3) COLI_RTILE(4) COLI_RTILE(5) COLI_RTILE(6)
+#if COLI_WR == 8
+COLI_RTILE(7) COLI_RTILE(8)
 #endif
 
-/* Y[m, 0:nb] = X[m] . W[0:nb] for all m, nb <= COLI_NP, through the panel P (scratch). */
-static inline void coli_gemm_panel(const float *X, long ldx, int M, const float *W, long ldw, int nb, int K,
-                                   float *Y, long ldy, float *P) {
-    coli_pack_panel(W, ldw, nb, K, P);
-    for (int m = 0; m < M; m += COLI_MR) {
-        int mr = M - m < COLI_MR ? M - m : COLI_MR;
-        const float *x = X + m * ldx;
-        float *y = Y + m * ldy;
-        switch (mr) {
-        case 1: coli_ptile_1(x, ldx, P, K, y, ldy, nb); break;
-        case 2: coli_ptile_2(x, ldx, P, K, y, ldy, nb); break;
-        case 3: coli_ptile_3(x, ldx, P, K, y, ldy, nb); break;
-        case 4: coli_ptile_4(x, ldx, P, K, y, ldy, nb); break;
-        case 5: coli_ptile_5(x, ldx, P, K, y, ldy, nb); break;
-#if COLI_MR == 8
-        case 6: coli_ptile_6(x, ldx, P, K, y, ldy, nb); break;
-        case 7: coli_ptile_7(x, ldx, P, K, y, ldy, nb); break;
-        default: coli_ptile_8(x, ldx, P, K, y, ldy, nb); break;
+/* Y[m, 0:nb] = X[m] . W[0:nb] for all m < M, X already packed into token panels P. */
+static inline void coli_gemm_tokens(const float *P, int M, const float *W, long ldw, int nb, int K, float *Y,
+                                    long ldy) {
+    for (int n = 0; n < nb; n += COLI_WR) {
+        int wr = nb - n < COLI_WR ? nb - n : COLI_WR;
+        for (int t0 = 0; t0 < M; t0 += COLI_NP) {
+            int nt = M - t0 < COLI_NP ? M - t0 : COLI_NP;
+            const float *p = P + (long)(t0 / COLI_NP) * K * COLI_NP;
+            const float *w = W + (long)n * ldw;
+            float *y = Y + (long)t0 * ldy + n;
+            switch (wr) {
+            case 1: coli_rtile_1(w, ldw, p, K, y, ldy, nt); break;
+            case 2: coli_rtile_2(w, ldw, p, K, y, ldy, nt); break;
+            case 3: coli_rtile_3(w, ldw, p, K, y, ldy, nt); break;
+            case 4: coli_rtile_4(w, ldw, p, K, y, ldy, nt); break;
+            case 5: coli_rtile_5(w, ldw, p, K, y, ldy, nt); break;
+#if COLI_WR == 8
+            case 6: coli_rtile_6(w, ldw, p, K, y, ldy, nt); break;
+            case 7: coli_rtile_7(w, ldw, p, K, y, ldy, nt); break;
+            default: coli_rtile_8(w, ldw, p, K, y, ldy, nt); break;
 #else
-        default: coli_ptile_6(x, ldx, P, K, y, ldy, nb); break;
+            default: coli_rtile_6(w, ldw, p, K, y, ldy, nt); break;
 #endif
+            }
         }
     }
 }
