@@ -321,6 +321,25 @@ def decoder_layers(cfg: ModelConfig, w: Weights, make_mlp, *, prefix: str = "mod
     ]
 
 
+def sigmoid_routed_mlp(cfg: ModelConfig, w: Weights, act: int):
+    """Layer MLPs of the DeepSeek-V3 / GLM-4.5 kind: dense up to first_k_dense_replace,
+    then MoE with sigmoid group-limited routing, routed_scaling_factor and shared experts."""
+    r, H = cfg.raw, cfg.hidden_size
+
+    def mlp(i: int, p: str):
+        if i < int(r.get("first_k_dense_replace") or 0):
+            return GatedMLP(w, f"{p}.mlp", H, cfg.intermediate_size, act)
+        shared = None
+        if r.get("n_shared_experts"):
+            shared = GatedMLP(w, f"{p}.mlp.shared_experts", H, cfg.moe_intermediate_size * int(r["n_shared_experts"]),
+                              act)
+        return MoE(cfg, w, f"{p}.mlp", router="gate", experts="experts", renormalize=cfg.norm_topk_prob, act=act,
+                   sigmoid_groups=(int(r.get("n_group") or 1), int(r.get("topk_group") or 1)),
+                   scale=float(r.get("routed_scaling_factor") or 1.0), shared=shared)
+
+    return mlp
+
+
 def check_experts(cfg: ModelConfig) -> None:
     if cfg.num_experts <= 0 or not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
         raise ModelLoadError(

@@ -1,23 +1,11 @@
 """DeepSeek-V3 / R1 and the Kimi-K2 family: Multi-head Latent Attention with a compressed
 KV cache (coli/models/mla.py); the first first_k_dense_replace layers dense, the rest MoE
 with sigmoid, bias-corrected, group-limited routing and shared experts."""
-from coli.models.base import DecoderLM, GatedMLP, MoE, act_of, check_experts, decoder_layers
+from coli.models.base import DecoderLM, act_of, check_experts, decoder_layers, sigmoid_routed_mlp
 from coli.models.mla import MLAAttention
 
 
 def build(cfg, w):
     check_experts(cfg)
-    act, r, H = act_of(cfg), cfg.raw, cfg.hidden_size
-
-    def mlp(i, p):
-        if i < int(r.get("first_k_dense_replace") or 0):
-            return GatedMLP(w, f"{p}.mlp", H, cfg.intermediate_size, act)
-        shared = None
-        if r.get("n_shared_experts"):
-            shared = GatedMLP(w, f"{p}.mlp.shared_experts", H, cfg.moe_intermediate_size * int(r["n_shared_experts"]),
-                              act)
-        return MoE(cfg, w, f"{p}.mlp", router="gate", experts="experts", renormalize=cfg.norm_topk_prob, act=act,
-                   sigmoid_groups=(int(r.get("n_group") or 1), int(r.get("topk_group") or 1)),
-                   scale=float(r.get("routed_scaling_factor") or 1.0), shared=shared)
-
+    mlp = sigmoid_routed_mlp(cfg, w, act_of(cfg))
     return DecoderLM(cfg, w, decoder_layers(cfg, w, mlp, attention=MLAAttention))
