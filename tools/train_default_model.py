@@ -14,7 +14,9 @@ What it does
      exchange that touches a held-out synset is excluded from training.
   4. Trains a byte-level BPE tokenizer (tokenizers library) on the training text.
   5. Trains a Qwen3MoeForCausalLM (8 experts, top-2) on assistant tokens only,
-     for a wall-clock budget (--minutes), then evaluates and saves with
+     for a wall-clock budget (--minutes), then continues (--freq-minutes) on a mix
+     that upweights the most frequent sense of frequently used words (cntlist.rev),
+     then evaluates and saves with
      save_pretrained (safetensors) + PreTrainedTokenizerFast.save_pretrained.
 
 Evaluation (also runnable alone: tools/eval_default_model.py) prints held-out
@@ -463,7 +465,7 @@ def build_freq_data(synsets, index, usage, min_count):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="coli/default_model")
-    ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
+    ap.add_argument("--minutes", type=float, default=52.0, help="wall-clock budget of the main phase")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=192)
@@ -480,10 +482,10 @@ def main():
                     help="skip the main phase: load a raw checkpoint written by an earlier run "
                          "(/tmp/default_model_ckpt.pt) and the tokenizer.json saved next to it by --out")
     ap.add_argument("--resume-tokenizer", default=None, help="tokenizer.json of the resumed run")
-    ap.add_argument("--freq-minutes", type=float, default=0.0,
+    ap.add_argument("--freq-minutes", type=float, default=34.0,
                     help="phase 2 (after the main phase, or after --resume): continue on a mixture that "
                          "upweights the most frequent sense of frequent lemmas by cntlist.rev usage counts; "
-                         "shipped: 35")
+                         "shipped: 34; 0 = off")
     ap.add_argument("--freq-lr", type=float, default=1e-3)
     ap.add_argument("--freq-core-frac", type=float, default=0.6,
                     help="share of phase-2 samples drawn from the frequent-word core (rest: all training data)")
