@@ -17,6 +17,7 @@ quantizes at load. In one run, same machine, same thread count:
     python benchmarks/bench_vs_llamacpp.py --threads 2            # table
     python benchmarks/bench_vs_llamacpp.py --threads 2 --json     # JSON on stdout
     python benchmarks/bench_vs_llamacpp.py --check                # correctness check only
+    python benchmarks/bench_vs_llamacpp.py --markdown REPORT.json # a saved --save report as Markdown
 
 **Correctness first** (``--check``; the benchmark runs it too unless ``--no-check``):
 llama.cpp's F32 GGUF vs ``coli.load(hf_dir, quant="f32")`` on one 16-token prompt: max
@@ -119,7 +120,7 @@ def cpu_seconds() -> float:
 
 class LlamaRunner:
     def __init__(self, gguf_path: str, threads: int, n_ctx: int, *, logits_all: bool = False,
-                 f32_kv: bool = False, flash_attn: bool = False, n_ubatch: int = 512):
+                 f32_kv: bool = False, flash_attn: bool = False, n_ubatch: int = 512, use_mmap: bool = True):
         import llama_cpp
         import numpy as np
 
@@ -127,10 +128,11 @@ class LlamaRunner:
         kw = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if f32_kv else {}
         self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_ubatch=n_ubatch,
                                    n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
-                                   logits_all=logits_all, flash_attn=flash_attn, verbose=False, **kw)
+                                   logits_all=logits_all, flash_attn=flash_attn, use_mmap=use_mmap,
+                                   verbose=False, **kw)
         self.V = self.llm.n_vocab()
         self.info = {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf_path, "n_ctx": n_ctx,
-                     "n_batch": 512, "n_ubatch": n_ubatch, "flash_attn": flash_attn,
+                     "n_batch": 512, "n_ubatch": n_ubatch, "flash_attn": flash_attn, "use_mmap": use_mmap,
                      "kv_type": "f32" if f32_kv else "f16 (llama.cpp default)",
                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
@@ -202,8 +204,9 @@ class ColiRunner:
 def _weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode token reads: LM head, final norm, and per layer the
     attention projections, norms, router and num_experts_per_tok experts (the embedding
-    table is one row). Counted here from the built olmoe wiring (coli.bench's own count,
-    at the commit measured, leaves out the LM head)."""
+    table is one row). Counted here from the built olmoe wiring, so that the number does
+    not depend on the coli version measured (coli.bench.weight_bytes_per_token left the
+    LM head out before commit 7d6ebf7)."""
     net = model.engine.model
     total = net.lm_head.mat.nbytes + net.norm.nbytes
     for layer in net.layers:
@@ -428,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help=f"comma list of lines to run (default all: {', '.join(ENGINES)})")
     ap.add_argument("--llama-ubatch", type=int, default=512, help="llama.cpp n_ubatch (default 512)")
+    ap.add_argument("--llama-no-mmap", action="store_true",
+                    help="llama.cpp reads the GGUF into anonymous memory instead of mapping it")
     ap.add_argument("--check", action="store_true", help="run only the correctness check")
     ap.add_argument("--no-check", action="store_true", help="skip the F32 correctness check before timing")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -489,7 +494,7 @@ def main(argv=None) -> int:
             if engine == "llama.cpp":
                 path = ensure_gguf(hf_dir, gguf_dir, fmt, log)
                 workers[n] = Worker(n, engine, str(path), args.threads, n_ctx,
-                                    flash_attn=head, n_ubatch=args.llama_ubatch)
+                                    flash_attn=head, n_ubatch=args.llama_ubatch, use_mmap=not args.llama_no_mmap)
             else:
                 workers[n] = Worker(n, engine, str(hf_dir), args.threads, fmt, head)
             load_s[n] = time.perf_counter() - t
@@ -512,7 +517,7 @@ def main(argv=None) -> int:
     report["loadavg_after"] = os.getloadavg()
     report["busy_processes_after"] = busy_processes()
     report.update(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, repeats=args.repeats,
-                  seed=args.seed, llama_ubatch=args.llama_ubatch)
+                  seed=args.seed, llama_ubatch=args.llama_ubatch, llama_mmap=not args.llama_no_mmap)
     results = {}
     for n in names:
         rs = runs[n]
