@@ -40,6 +40,18 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class KVCache:
     """One sequence's keys and values for every layer.
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coli.engine import Engine, KVCache
+from coli.engine import Engine, KVCache, available_memory
 from coli.errors import InvalidRequestError
 from coli.kv.format import Layout
 from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_format
@@ -43,18 +43,6 @@ KV_MEMORY_FRACTION = 0.5  # of the memory available at start that the KV slots m
 def kv_bytes_per_token(engine: Engine) -> int:
     probe = engine.new_cache(1)
     return (probe.k.shape[0] * (probe.k.shape[2] + probe.v.shape[2])) * probe.k.itemsize
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def plan_context(engine: Engine, kv_slots: int, requested: int | None = None,

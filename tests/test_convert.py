@@ -17,6 +17,7 @@ import coli
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.weights.convert import convert
 from tests.conftest import make_hf_model, prompt_ids
+from tests.test_models import coli_greedy
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
 
@@ -202,13 +203,3 @@ def test_olmoe_mini_streams_at_a_quarter_of_its_experts(tmp_path):
     assert t.bytes_read > 0 and t.hit_rate < 1.0
     streamed.close()
 
-
-def coli_greedy(model, ids, n):
-    eng = model.engine
-    cache = eng.new_cache()
-    logits = eng.step([(cache, ids)])
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits[0])))
-        logits = eng.step([(cache, out[-1:])])
-    return out

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from coli._engine import kernels as K
+from coli.engine import available_memory
 from coli.errors import ModelLoadError
 from coli.experts.usage import USAGE_FILE, Usage, state_dir
 from coli.weights.source import ResidentExperts
@@ -57,17 +58,6 @@ class StoreStats:
         return StoreStats(**self.__dict__)
 
 
-def mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
 def aligned_buffer(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     off = (-raw.ctypes.data) % PAGE
@@ -86,7 +76,7 @@ class ExpertStore:
         self.layers_info = ex["layers"]
         self.total_bytes = ex["bytes"]
         if ram_budget is None:
-            ram_budget = max(0, mem_available() - manifest["dense"]["bytes"] - (512 << 20))
+            ram_budget = max(0, (available_memory() or 4 << 30) - manifest["dense"]["bytes"] - (512 << 20))
         self.ram_budget = ram_budget
         self.resident = self.total_bytes <= ram_budget
         self.verify, self.io, self.prefetch_enabled = verify, io, prefetch
