@@ -20,8 +20,10 @@ def rand(*shape, scale=1.0):
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"], autouse=True)
 def threads(request):
     K.set_num_threads(request.param)
+    K.set_small_work(0)  # with 2 threads, even the tiny test shapes take the parallel path
     yield request.param
     K.set_num_threads(2)
+    K.set_small_work(1 << 15)
 
 
 def test_simd_path_is_known():
@@ -233,6 +235,40 @@ def test_attention_values_inside_key_rows():
     ks = [cache.reshape(cap, 1, hd)] * 2
     vs = [cache[:, :vd].reshape(cap, 1, vd)] * 2
     np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, 1, hd, vd, 0.3), **TOL)
+
+
+def _scratch(M, K_):
+    kp = K.padded(K_)
+    return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("M,K_", [(1, 64), (3, 100), (4, 1024), (64, 96)])
+def test_qlinear_many_equals_one_call_per_matrix(fmt, M, K_):
+    """q, k, v (or gate, up) in one call: bit-identical to three qlinear calls, biases or not."""
+    x = rand(M, K_)
+    mats = [quantize(rand(n, K_, scale=0.2), fmt) for n in (40, 16, 23)]
+    biases = (rand(40), None, rand(23))
+    outs = tuple(np.full((M, m.rows), np.nan, np.float32) for m in mats)
+    K.qlinear_many(x, tuple(mats), outs, biases, *_scratch(M, K_))
+    for m, b, out in zip(mats, biases, outs):
+        one = np.empty((M, m.rows), np.float32)
+        K.qlinear(x, m, one, b, *_scratch(M, K_))
+        np.testing.assert_array_equal(out, one)
+        ref = reference_qlinear(x, m) + (0 if b is None else b)
+        np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_qlinear_many_rejects_mixed_formats_and_shapes():
+    x = rand(2, 64)
+    a, b = quantize(rand(8, 64), "int8"), quantize(rand(8, 64), "int4")
+    outs = (np.empty((2, 8), np.float32), np.empty((2, 8), np.float32))
+    with pytest.raises(ValueError, match="matrix 1"):
+        K.qlinear_many(x, (a, b), outs, (None, None), *_scratch(2, 64))
+    with pytest.raises(ValueError, match="matrix 0"):
+        K.qlinear_many(x, (a,), (np.empty((2, 9), np.float32),), (None,), *_scratch(2, 64))
+    with pytest.raises(ValueError, match="1 to 8"):
+        K.qlinear_many(x, (), (), (), *_scratch(2, 64))
 
 
 @pytest.mark.parametrize("min_rows", [1, 48, 10**6])  # packed panels always, by default, never

@@ -65,6 +65,7 @@ cdef enum:
     QK = 32             # quantization group
 
 cdef int _nthreads = 1
+cdef long SMALL_WORK = 1 << 15  # below this many inner-loop steps a kernel runs on the calling thread
 cdef float *_panels = NULL   # packed token panels of the current GEMM, grown as needed
 cdef size_t _panels_cap = 0
 cdef int PANEL_MIN_ROWS = 48  # from this many tokens on, f32 matmuls pack the tokens into panels
@@ -86,6 +87,20 @@ cdef float *_panel_scratch(size_t need) except NULL:
             raise MemoryError()
         _panels, _panels_cap = p, need
     return _panels
+
+
+cdef inline int _team(long work) noexcept nogil:
+    """Threads for a loop of ``work`` inner steps: small loops (a decode step's norms,
+    RoPE, routing, activation quantization) stay on the calling thread, because waking
+    the OpenMP team costs more than the loop itself. Either way each output element is
+    written by one thread in the same order, so results do not change."""
+    return 1 if work < SMALL_WORK else _nthreads
+
+
+def set_small_work(long n):
+    """Tune the size under which elementwise kernels run single-threaded (0: never)."""
+    global SMALL_WORK
+    SMALL_WORK = n
 
 
 def set_num_threads(int n):
@@ -119,9 +134,10 @@ cdef void _linear(const float *X, long ldx, int M, const float *W, int N, int K,
     cdef int block = 2 * ROW_BLOCK if panels != NULL else ROW_BLOCK
     cdef int nblocks = (N + block - 1) // block
     cdef int b, n0, nb, m, n
+    cdef int nt = _team(<long>M * N * K // 4)
     if panels != NULL:
         coli_pack_tokens(X, ldx, M, K, panels)
-    for b in prange(nblocks, num_threads=_nthreads, schedule='static'):
+    for b in prange(nblocks, num_threads=nt, schedule='static'):
         n0 = b * block
         nb = N - n0 if N - n0 < block else block
         if panels != NULL:
@@ -163,7 +179,7 @@ def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] 
     if w.shape[0] != H or out.shape[0] != M or out.shape[1] != H:
         raise ValueError("rmsnorm: shape mismatch")
     cdef float off = 1.0 if unit_offset else 0.0
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * H), schedule='static'):
         ss = 0
         for i in range(H):
             ss = ss + <double>x[m, i] * x[m, i]
@@ -178,7 +194,7 @@ def gated_act(const float[:, ::1] g, const float[:, ::1] u, float[:, ::1] out, i
     cdef int M = g.shape[0], N = g.shape[1], m, i
     if u.shape[0] != M or u.shape[1] != N or out.shape[0] != M or out.shape[1] != N:
         raise ValueError("gated_act: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * N * 4), schedule='static'):
         for i in range(N):
             out[m, i] = _act(g[m, i], act) * u[m, i]
 
@@ -188,7 +204,7 @@ def embed(const int32_t[::1] ids, const float[:, ::1] table, float[:, ::1] out, 
     cdef int M = ids.shape[0], H = table.shape[1], m, i
     if out.shape[0] != M or out.shape[1] != H:
         raise ValueError("embed: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * H), schedule='static'):
         memcpy(&out[m, 0], &table[ids[m], 0], H * sizeof(float))
         if scale != 1.0:
             for i in range(H):
@@ -206,7 +222,7 @@ def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[
     cdef long base
     if x.shape[1] != n_heads * head_dim or inv_freq.shape[0] < half or pos.shape[0] != M:
         raise ValueError("rope: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * half * (n_heads + 8)), schedule='static'):
         for i in range(half):
             ang = <float>pos[m] * inv_freq[i]          # float32 product, as transformers computes it
             c = <float>cos(ang) * scaling
@@ -281,7 +297,7 @@ def moe_route_softmax(const float[:, ::1] logits, int k, bint renormalize, int32
     cdef float bv
     if k > E or idx.shape[0] != M or idx.shape[1] != k or weights.shape[0] != M or weights.shape[1] != k:
         raise ValueError("moe_route_softmax: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * E * (k + 4)), schedule='static'):
         mx = logits[m, 0]
         for e in range(1, E):
             if logits[m, e] > mx:
@@ -326,7 +342,7 @@ def moe_route_sigmoid(const float[:, ::1] logits, const float[::1] bias, int k, 
     cdef float[:, :] ch = scratch[:, E:2 * E]               # scores for choice
     cdef float[:, :] gsum = scratch[:, 2 * E:2 * E + n_group]
     cdef float[:, :] gpick = scratch[:, 2 * E + n_group:2 * E + 2 * n_group]
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * E * (k + 8)), schedule='static'):
         for e in range(E):
             sc[m, e] = <float>(1.0 / (1.0 + exp(-logits[m, e])))
             ch[m, e] = sc[m, e] + bias[e]

@@ -55,7 +55,7 @@ def embed_rows(const int32_t[::1] ids, QMatrix table, float[:, ::1] out, float s
     cdef int M = ids.shape[0], H = table.cols, m, i
     if out.shape[0] != M or out.shape[1] != H:
         raise ValueError("embed_rows: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * H * 2), schedule='static'):
         coli_dequant_row(&table.m, ids[m], H, &out[m, 0])
         if scale != 1.0:
             for i in range(H):
@@ -80,7 +80,7 @@ cdef inline coli_act _rows(coli_act a, int off) noexcept nogil:
 cdef void _quantize_rows(const float *x, long ldx, int M, int K, int8_t *q, float *qd, int32_t *qs) noexcept nogil:
     cdef int m
     cdef long kp = (K + QK - 1) // QK * QK
-    for m in prange(M, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, num_threads=_team(<long>M * K * 2), schedule='static'):
         coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
 
 
@@ -124,7 +124,7 @@ def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1
     with nogil:
         if quant:
             _quantize_rows(&x[0, 0], K, M, K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
-        for b in prange(nblocks, num_threads=_nthreads, schedule='static'):
+        for b in prange(nblocks, num_threads=_team(<long>M * K * N // 4), schedule='static'):
             n0 = b * ROW_BLOCK
             nb = N - n0 if N - n0 < ROW_BLOCK else ROW_BLOCK
             coli_gemm_any(&a, M, &w.m, n0, nb, K, Y, N)
@@ -132,6 +132,80 @@ def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1
                 for m in range(M):
                     for n in range(nb):
                         Y[m * N + n0 + n] += bp[n0 + n]
+
+
+cdef enum:
+    MAX_MANY = 8
+
+
+def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
+                 int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs):
+    """outs[i][M, N_i] = x @ mats[i].T (+ biases[i]) for up to 8 matrices that read the same
+    input (q, k and v; gate and up): x is quantized (or packed into token panels) once, and
+    the row blocks of all the matrices are spread over the threads in one parallel region.
+    All matrices must share one format. Same results as one qlinear per matrix."""
+    cdef int M = x.shape[0], K = x.shape[1], n = len(mats), i, b, n0, nb, m, c, total = 0
+    cdef coli_mat ms[MAX_MANY]
+    cdef float *Ys[MAX_MANY]
+    cdef const float *Bs[MAX_MANY]
+    cdef int Ns[MAX_MANY]
+    cdef int first[MAX_MANY + 1]
+    cdef float[:, ::1] o
+    cdef const float[::1] bv
+    cdef QMatrix w
+    if not 0 < n <= MAX_MANY or len(outs) != n or len(biases) != n:
+        raise ValueError("qlinear_many: 1 to 8 matrices, one output and one bias (or None) each")
+    cdef int fmt = (<QMatrix>mats[0]).fmt
+    cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4
+    for i in range(n):
+        w = <QMatrix?>mats[i]
+        o = outs[i]
+        if w.fmt != fmt or w.cols != K or o.shape[0] != M or o.shape[1] != w.rows:
+            raise ValueError(f"qlinear_many: matrix {i} is {w.format} ({w.rows}, {w.cols}), x ({M}, {K}), "
+                             f"out ({o.shape[0]}, {o.shape[1]})")
+        ms[i], Ns[i] = w.m, w.rows
+        Ys[i] = &o[0, 0] if M > 0 else NULL
+        Bs[i] = NULL
+        if biases[i] is not None:
+            bv = biases[i]
+            if bv.shape[0] != w.rows:
+                raise ValueError("qlinear_many: bias length != out features")
+            Bs[i] = &bv[0]
+    if quant and (xq.shape[0] < M or xq.shape[1] != padded(K) or xqd.shape[0] < M or xqs.shape[0] < M):
+        raise ValueError("qlinear_many: activation scratch too small")
+    if M == 0:
+        return
+    cdef float *panels = NULL
+    if fmt == COLI_F32 and M >= PANEL_MIN_ROWS:
+        panels = _panel_scratch(_panel_floats(M, K))
+    cdef int rb = 2 * ROW_BLOCK if panels != NULL else ROW_BLOCK
+    for i in range(n):
+        first[i] = total
+        total += (Ns[i] + rb - 1) // rb
+    first[n] = total
+    cdef coli_act a = _activations(&x[0, 0], K, NULL, NULL, NULL, 0, 0)
+    if quant:
+        a = _activations(&x[0, 0], K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
+    cdef int nt = _team(<long>M * K * total * rb // 4)
+    with nogil:
+        if quant:
+            _quantize_rows(&x[0, 0], K, M, K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
+        if panels != NULL:
+            coli_pack_tokens(&x[0, 0], K, M, K, panels)
+        for b in prange(total, num_threads=nt, schedule='static'):
+            i = 0
+            while first[i + 1] <= b:
+                i = i + 1
+            n0 = (b - first[i]) * rb
+            nb = Ns[i] - n0 if Ns[i] - n0 < rb else rb
+            if panels != NULL:
+                coli_gemm_tokens(panels, M, <const float *>ms[i].w + <long>n0 * K, K, nb, K, Ys[i] + n0, Ns[i])
+            else:
+                coli_gemm_any(&a, M, &ms[i], n0, nb, K, Ys[i], Ns[i])
+            if Bs[i] != NULL:
+                for m in range(M):
+                    for c in range(nb):
+                        Ys[i][m * Ns[i] + n0 + c] += Bs[i][n0 + c]
 
 
 cdef class ExpertTable:
@@ -318,7 +392,7 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                 coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
     if not combine:
         return
-    for m in prange(M, nogil=True, num_threads=_nthreads, schedule='static'):
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * k * H), schedule='static'):
         for j in range(k):
             p = slot[m * k + j]
             w = weights[m, j]

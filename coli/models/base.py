@@ -37,15 +37,24 @@ class RunState:
 
     def __init__(self):
         self._bufs: dict[str, np.ndarray] = {}
+        self._views: dict[tuple, np.ndarray] = {}  # (name, rows, width, dtype) -> view of _bufs[name]
 
     def get(self, name: str, rows: int, width: int, dtype=np.float32) -> np.ndarray:
+        key = (name, rows, width, dtype)
+        view = self._views.get(key)
+        if view is not None:  # a decode step asks for the same shapes every time
+            return view
         buf = self._bufs.get(name)
         need = rows * width
         if buf is None or buf.size < need or buf.dtype != dtype:
             cap = max(need, 2 * (buf.size if buf is not None and buf.dtype == dtype else 0), 64)
             buf = np.empty(cap, dtype=dtype)
             self._bufs[name] = buf
-        return buf[:need].reshape(rows, width)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+        if len(self._views) > 4096:  # many distinct prefill lengths: start over
+            self._views.clear()
+        view = self._views[key] = buf[:need].reshape(rows, width)
+        return view
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())
@@ -75,6 +84,28 @@ class Linear:
                   rs.get("xqs", M, nb, np.int32))
 
 
+class LinearGroup:
+    """Linear layers that read the same input (q, k and v; gate and up). When they share
+    a format they run as one kernel call: the input is quantized once and all their row
+    blocks go to the threads together (``K.qlinear_many``); results are the same."""
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self.mats = tuple(l.mat for l in linears)
+        self.biases = tuple(l.bias for l in linears)
+        self.kp = linears[0].kp
+        self.fused = len({(m.fmt, m.cols) for m in self.mats}) == 1
+
+    def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rs: RunState) -> None:
+        if not self.fused:
+            for lin, out in zip(self.linears, outs):
+                lin(x, out, rs)
+            return
+        M, nb = len(x), self.kp // 32
+        K.qlinear_many(x, self.mats, outs, self.biases, rs.get("xq", M, self.kp, np.int8), rs.get("xqd", M, nb),
+                       rs.get("xqs", M, nb, np.int32))
+
+
 class Attention:
     """Multi-head attention with GQA, optional q/k RMSNorm (per head or over the whole
     projection), optional biases, optional clipping, RoPE on the first rot_dim dims."""
@@ -88,6 +119,7 @@ class Attention:
         self.k_proj = w.linear(f"{prefix}.k_proj.weight", nkv * hd, H, qkv_bias)  # (nkv*hd, H)
         self.v_proj = w.linear(f"{prefix}.v_proj.weight", nkv * hd, H, qkv_bias)
         self.o_proj = w.linear(f"{prefix}.o_proj.weight", H, nh * hd, o_bias)  # (H, nh*hd)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
         self.qk_norm = qk_norm
         if qk_norm == "head":
             self.q_norm, self.k_norm = w(f"{prefix}.q_norm.weight", hd), w(f"{prefix}.k_norm.weight", hd)
@@ -107,9 +139,7 @@ class Attention:
         q = rs.get("q", M, self.nh * self.hd)  # (M, nh*hd)
         k = rs.get("k", M, self.nkv * self.hd)  # (M, nkv*hd)
         v = rs.get("v", M, self.nkv * self.hd)
-        self.q_proj(x, q, rs)
-        self.k_proj(x, k, rs)
-        self.v_proj(x, v, rs)
+        self.qkv(x, (q, k, v), rs)
         if self.qk_norm == "head":
             qh, kh = q.reshape(M * self.nh, self.hd), k.reshape(M * self.nkv, self.hd)
             K.rmsnorm(qh, self.q_norm, self.eps, qh, self.unit)
@@ -138,14 +168,14 @@ class GatedMLP:
         self.gate = w.linear(f"{prefix}.{g}.weight", inter, hidden)  # (I, H)
         self.up = w.linear(f"{prefix}.{u}.weight", inter, hidden)  # (I, H)
         self.down = w.linear(f"{prefix}.{d}.weight", hidden, inter)  # (H, I)
+        self.gate_up = LinearGroup(self.gate, self.up)
         self.inter, self.act = inter, act
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         M = len(x)
         g = rs.get("mlp_g", M, self.inter)  # (M, I)
         u = rs.get("mlp_u", M, self.inter)
-        self.gate(x, g, rs)
-        self.up(x, u, rs)
+        self.gate_up(x, (g, u), rs)
         K.gated_act(g, u, g, self.act)
         self.down(g, out, rs)
 
