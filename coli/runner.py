@@ -316,6 +316,7 @@ class Runner:
         stats = self.engine.last
         routed = stats.routed
         phases = {field_: getattr(stats, attr, 0) for attr, field_ in PHASES.items()}
+        picks = None if scoring else _greedy_picks(plan, logits)
         outputs, row = {}, 0
         for i, s in enumerate(plan.seqs):
             req, g = s.request, s.request.payload
@@ -338,7 +339,7 @@ class Runner:
             row += len(s.tokens)
             if s.sample and not req.cancel_requested:
                 outputs[req.request_id] = (SeqOutput(None, "stop") if g.score_from is not None
-                                           else self._sample(req, logits[last]))
+                                           else self._sample(req, logits[last], None if picks is None else picks[i]))
         return self.scheduler.update_from_output(plan, outputs)
 
     def _score(self, req: Request, s, rows) -> None:
@@ -351,16 +352,19 @@ class Runner:
                 m = x.max()
                 g.scores.append(float(x[prompt[pos + 1]] - m - np.log(np.exp(x - m).sum())))
 
-    def _sample(self, req: Request, logits) -> SeqOutput:
+    def _sample(self, req: Request, logits, tok: int | None = None) -> SeqOutput:
+        """The request's next token from its logits row (V,), or ``tok`` when the step already
+        picked it (``_greedy_picks``); then end of turn, logprobs, text and stop strings."""
         g = req.payload
         raw = logits
-        if g.bias is not None:
-            logits = logits.copy()
-            logits[g.bias[0]] += g.bias[1]
-        try:
-            tok = g.sampler.sample(logits, g.generated)
-        except Exception as e:
-            return SeqOutput(error=f"sampling failed: {e}")
+        if tok is None:
+            if g.bias is not None:
+                logits = logits.copy()
+                logits[g.bias[0]] += g.bias[1]
+            try:
+                tok = g.sampler.sample(logits, g.generated)
+            except Exception as e:
+                return SeqOutput(error=f"sampling failed: {e}")
         if tok in self.model.eos_ids:
             return SeqOutput(None, "stop")
         if tok in g.stop_ids and g.text_seen:
@@ -413,6 +417,16 @@ class Runner:
             put(Finished(reason, g.stops.stopped))
         elif req.error is not None:
             put(Error(req.error.code, str(req.error)))
+
+
+def _greedy_picks(plan: StepPlan, logits: np.ndarray) -> list[int] | None:
+    """Every entry's argmax, when each entry that samples is plain greedy (no bias): one
+    pass over the step's logits (entries, V) picks what each Sampler.sample would. None
+    otherwise: each request samples its own row."""
+    sampling = [s.request.payload for s in plan.seqs if s.sample]
+    if not sampling or not all(g.sampler.is_greedy and g.bias is None for g in sampling):
+        return None
+    return logits.argmax(axis=1).tolist()  # (entries,): ties go to the lowest id, as greedy()
 
 
 def _token_logprob(logits, tok: int, n: int) -> TokenLogprob:

@@ -57,6 +57,9 @@ class Sampler:
         params.validate()
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        # every pick is greedy(logits): a caller may take one argmax over a batch's rows instead
+        self.is_greedy = (params.temperature < _GREEDY_BELOW and params.repetition_penalty == 1.0
+                          and not params.presence_penalty and not params.frequency_penalty)
 
     def sample(self, logits: np.ndarray, generated: Sequence[int] = ()) -> int:
         """Returns the next token id.

@@ -94,6 +94,7 @@ class ScriptedSampler(Sampler):
         super().__init__(params)
         script = SCRIPTS.get(params.seed) if params.seed is not None else None
         self.ids = None if script is None else self.tokenizer.encode(script, add_special_tokens=False) + [self.eos]
+        self.is_greedy = self.is_greedy and self.ids is None  # a script is not the argmax: the runner must call sample
 
     def sample(self, logits, generated=()):
         if self.ids is None:

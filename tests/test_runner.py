@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 import coli
-from coli.runner import Runner, plan_context
+from coli.runner import Runner, _greedy_picks, plan_context
 from coli.sampling import SamplingParams
 from coli.scheduler import (ContextLengthExceededError, Error, Finished, Profile, QueueFullError, Routing,
                             SchedulerClosedError, Started, TextDelta, Usage)
@@ -161,6 +161,33 @@ def test_seeded_sampling_is_reproducible_under_batching(model, runner):
     hs = [r.submit(prompt, max_tokens=16, sampling=params) for _ in range(3)]
     texts = {h.result(timeout=WAIT).text for h in hs}
     assert len(texts) == 1
+
+
+def test_batched_greedy_picks_equal_each_samplers_own(model, runner, monkeypatch):
+    """A step whose sampling entries are all plain greedy takes one argmax over its logits
+    instead of a Sampler call per request: the events are the same either way, and a step
+    with a biased or sampling request samples each row itself."""
+    greedy = SamplingParams(temperature=0)
+    prompts = [ids(model, p) for p in PROMPTS]
+
+    def run(**extra):
+        r = runner(kv_slots=4)
+        with r.scheduler.paused():
+            hs = [r.submit(p, max_tokens=10, sampling=greedy, logprobs=2 if i == 0 else None)
+                  for i, p in enumerate(prompts[:3])]
+            hs.append(r.submit(prompts[3], max_tokens=10, **extra))
+        return [[e for e in h.events(WAIT) if not isinstance(e, (Started, Profile, Usage))] for h in hs]
+
+    batched = []  # what each step's _greedy_picks returned
+    monkeypatch.setattr(coli.runner, "_greedy_picks", lambda *a: batched.append(_greedy_picks(*a)) or batched[-1])
+    fast = run(sampling=greedy)
+    assert batched and all(p is not None for p in batched)
+    batched.clear()
+    mixed = run(sampling=greedy, logit_bias={5: 0.5})
+    assert batched and all(p is None for p in batched)  # the biased request samples every step itself
+    monkeypatch.setattr(coli.runner, "_greedy_picks", lambda *a: None)
+    assert fast == run(sampling=greedy)
+    assert mixed[:3] == fast[:3]
 
 
 def test_refusals_are_raised_at_submit(model, runner):

@@ -26,6 +26,26 @@ def test_greedy_is_argmax_and_ties_go_to_lowest_id():
     assert Sampler(SamplingParams(temperature=1e-30)).sample(x) == int(np.argmax(x))  # no overflow
 
 
+def test_is_greedy_means_a_batched_argmax_picks_what_sample_would():
+    """The runner takes one argmax over a step's rows for samplers with is_greedy (ties, -inf, NaN)."""
+    assert Sampler(SamplingParams(temperature=0)).is_greedy
+    assert Sampler(SamplingParams(temperature=1e-6, top_k=3, top_p=0.5, min_p=0.2, seed=1)).is_greedy
+    for params in (SamplingParams(), SamplingParams(temperature=1e-5),
+                   SamplingParams(temperature=0, presence_penalty=0.1),
+                   SamplingParams(temperature=0, frequency_penalty=-0.1),
+                   SamplingParams(temperature=0, repetition_penalty=1.1)):
+        assert not Sampler(params).is_greedy
+    rows = np.stack([_logits(seed=s) for s in range(6)])  # (6, V)
+    rows[1, [5, 9, 700]] = rows[1].max() + 1  # a three-way tie
+    rows[2] = -np.inf
+    rows[3, [10, 20]] = np.nan
+    rows[4] = 0.0
+    sampler = Sampler(SamplingParams(temperature=0))
+    assert rows.argmax(axis=1).tolist() == [sampler.sample(x, [1, 2, 2]) for x in rows] == [
+        greedy(x) for x in rows]
+    assert rows.argmax(axis=1).tolist()[1:5] == [5, 0, 10, 0]
+
+
 def test_same_seed_same_tokens_and_different_seeds_differ():
     steps = [_logits(seed=s, scale=1.0) for s in range(64)]
 
