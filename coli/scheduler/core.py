@@ -286,6 +286,8 @@ class Scheduler:
 
     def note_first_output(self, req: Request) -> None:
         """The runner produced the request's first nonempty text or tool output."""
+        if req.first_output_at is not None:  # (every later token: once set it stays, no lock needed)
+            return
         with self._lock:
             if req.first_output_at is None and req.started_at is not None:
                 req.first_output_at = self.clock()
@@ -401,6 +403,8 @@ class Scheduler:
         return self.slots.choose(req.prompt, reserved)
 
     def _admit_waiters(self, now: float) -> None:
+        if not self.waiting:  # (every step while nobody waits: nothing to expire, admit or count)
+            return
         reserved: set[int] = set()
         all_reserved = False
         keep: deque[Request] = deque()
