@@ -1,13 +1,18 @@
 """Scheduler benchmarks (issue: the scheduler): aggregate decode throughput with 1, 2, 4
 and 8 concurrent streams, and the TTFT of a second turn that shares a long prefix.
 
-    python benchmarks/bench_scheduler.py --synthetic olmoe-mini --quant int4 --threads 2 [--json]
+    python benchmarks/bench_scheduler.py --synthetic olmoe-mini --quant int4 --threads 2 [--vs-engine] [--json]
 
 Every stream decodes greedily for --gen-tokens from its own short random prompt. The
 aggregate is (all generated tokens after each stream's first) / (wall time from the
 moment every stream has its first token to the moment the last one finishes), so
 prefill is excluded. The prefix test prefills --prefix-tokens once (cold first turn),
 then submits the same prefix plus a short new turn (warm second turn), each in KV slot 0.
+
+--vs-engine also times the engine alone (``engine.step`` on the same prompts, argmax
+in the loop, no scheduler, events or consumer threads), each repeat right after the
+runner's so that both see the same machine; "runner / engine" is then the share of
+the engine's throughput that the runner keeps.
 """
 from __future__ import annotations
 
@@ -52,6 +57,28 @@ def decode_throughput(model, streams: int, gen_tokens: int, seed: int) -> dict:
     return {"streams": streams, "tokens": tokens, "seconds": t1 - t0, "tok_s": tokens / (t1 - t0)}
 
 
+def engine_throughput(model, streams: int, gen_tokens: int, seed: int) -> dict:
+    """decode_throughput's measure with the engine alone: the same prompts prefilled in one
+    step, then gen_tokens - 1 greedy decode steps timed."""
+    rng = np.random.default_rng(seed)
+    V = model.config.vocab_size
+    engine = model.engine
+    caches = [engine.new_cache() for _ in range(streams)]
+    logits = engine.step([(c, rng.integers(2, V, 16).tolist()) for c in caches])  # (streams, V)
+    picks = logits.argmax(axis=1).tolist()
+    t0 = time.perf_counter()
+    for _ in range(gen_tokens - 1):
+        picks = engine.step([(c, [t]) for c, t in zip(caches, picks)]).argmax(axis=1).tolist()
+    seconds = time.perf_counter() - t0
+    tokens = streams * (gen_tokens - 1)
+    return {"streams": streams, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def _summary(streams: int, runs: list[dict]) -> dict:
+    return {"streams": streams, "tok_s": statistics.median(r["tok_s"] for r in runs),
+            "min": min(r["tok_s"] for r in runs), "max": max(r["tok_s"] for r in runs)}
+
+
 def prefix_ttft(model, prefix_tokens: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     V = model.config.vocab_size
@@ -83,27 +110,43 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--vs-engine", action="store_true", help="also time the engine alone (see the docstring)")
     a = ap.parse_args()
     path = a.model or synthetic.ensure(a.synthetic, a.quant)
     model = coli.load(path, threads=a.threads)
-    rows = []
+    rows, engine_rows = [], []
     for n in (int(x) for x in a.streams.split(",")):
-        runs = [decode_throughput(model, n, a.gen_tokens, seed=r) for r in range(a.repeats)]
-        rows.append({"streams": n, "tok_s": statistics.median(r["tok_s"] for r in runs),
-                     "min": min(r["tok_s"] for r in runs), "max": max(r["tok_s"] for r in runs)})
-    base = rows[0]["tok_s"]
-    for r in rows:
-        r["speedup"] = r["tok_s"] / base
+        runs, alone = [], []
+        for r in range(a.repeats):
+            runs.append(decode_throughput(model, n, a.gen_tokens, seed=r))
+            if a.vs_engine:
+                alone.append(engine_throughput(model, n, a.gen_tokens, seed=r))
+        rows.append(_summary(n, runs))
+        if a.vs_engine:
+            engine_rows.append(_summary(n, alone))
+    for table in (rows, engine_rows):
+        for r in table:
+            r["speedup"] = r["tok_s"] / table[0]["tok_s"]
     ttft = prefix_ttft(model, a.prefix_tokens, seed=99)
     result = {"model": str(path), "threads": a.threads, "gen_tokens": a.gen_tokens, "decode": rows, "prefix": ttft}
+    if a.vs_engine:
+        result["engine_alone"] = engine_rows
     if a.json:
         print(json.dumps(result, indent=1))
         return
     print(f"model {path}, {a.threads} threads, {a.gen_tokens} tokens per stream, median of {a.repeats}")
-    print("| streams | aggregate decode tok/s | min … max | vs 1 stream |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['streams']} | {r['tok_s']:.1f} | {r['min']:.1f} … {r['max']:.1f} | {r['speedup']:.2f}x |")
+    if a.vs_engine:
+        print("| streams | aggregate decode tok/s | min … max | vs 1 stream | engine alone tok/s | vs 1 stream "
+              "| runner / engine |")
+        print("|---|---|---|---|---|---|---|")
+        for r, e in zip(rows, engine_rows):
+            print(f"| {r['streams']} | {r['tok_s']:.1f} | {r['min']:.1f} … {r['max']:.1f} | {r['speedup']:.2f}x "
+                  f"| {e['tok_s']:.1f} | {e['speedup']:.2f}x | {r['tok_s'] / e['tok_s']:.3f} |")
+    else:
+        print("| streams | aggregate decode tok/s | min … max | vs 1 stream |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['streams']} | {r['tok_s']:.1f} | {r['min']:.1f} … {r['max']:.1f} | {r['speedup']:.2f}x |")
     c, w = ttft["cold"], ttft["warm"]
     print(f"\nTTFT cold first turn ({c['prompt_tokens']} tokens): {c['ttft_s']:.3f} s; second turn sharing the "
           f"prefix ({w['prompt_tokens']} tokens, {w['cached_tokens']} cached): {w['ttft_s']:.3f} s")
