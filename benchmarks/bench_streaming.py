@@ -7,6 +7,8 @@
 2. With --budget: the same model streaming its experts from disk (O_DIRECT), as an A/B
    in one run: no pinning and no prefetch, prefetch only, learned pinning only, both.
    Learned pinning reads .coli_usage, which a warm-up pass over other prompts fills first.
+   Decoding is fed a seeded random continuation (--decode random, the default) so that
+   routing varies from token to token as it does with real text.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def run(path, threads, a, label, **load):
     m = coli.load(path, threads=threads, **load)
     try:
         r = bench.run(m, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats, seed=a.seed,
-                      label=label)
+                      label=label, decode=a.decode)
     finally:
         m.close()
     return r
@@ -40,6 +42,9 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--decode", choices=bench.DECODE_MODES, default="random",
+                    help="decode input (default random: varied routing, as with real text; greedy on a "
+                         "random-weight model repeats one token and its experts)")
     ap.add_argument("--skip-resident", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -55,7 +60,8 @@ def main() -> None:
     pin = parse_size(a.pin) if a.pin else budget // 2
     # warm-up: fills .coli_usage with routing history from prompts the measured runs do not use
     warm = coli.load(path, threads=a.threads, ram_budget=budget, pin=0)
-    bench.run(warm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=2, seed=a.seed + 1000)
+    bench.run(warm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=2, seed=a.seed + 1000,
+              decode=a.decode)
     warm.close()
     rows = []
     for label, p, pf in (("no pin, no prefetch", 0, False), ("prefetch", 0, True),

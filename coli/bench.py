@@ -1,8 +1,12 @@
 """`coli bench`: prefill and decode speed, TTFT, expert hit rate and I/O of one model.
 
 Each repeat uses its own random prompt (rotating prompts, so a cache cannot simply
-replay one request), runs a fresh context's prefill, then greedy decode. Reported
-numbers are medians over repeats, with min and max beside them.
+replay one request), runs a fresh context's prefill, then decodes: greedy by default, or
+with ``decode="random"`` each step is fed the next token of a seeded random continuation
+instead of the argmax. A random-weight model's greedy tokens soon repeat one token, so its
+routing repeats too and any expert cache hits almost always; fed varied tokens, its
+routing moves the way a real conversation's does, which is what a cache A/B needs.
+Reported numbers are medians over repeats, with min and max beside them.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class RunResult:
 @dataclass
 class BenchResult:
     model: str
+    decode: str  # "greedy" or "random" decode input
     quant: str
     threads: int
     prompt_tokens: int
@@ -70,15 +75,21 @@ def _copy(s: StepStats) -> StepStats:
     return c
 
 
+DECODE_MODES = ("greedy", "random")
+
+
 def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3, seed: int = 0,
-        label: str = "") -> BenchResult:
-    """Benchmark a loaded ``coli.Model``."""
+        label: str = "", decode: str = "greedy") -> BenchResult:
+    """Benchmark a loaded ``coli.Model``; ``decode`` is "greedy" or "random" (see above)."""
     from coli._engine import kernels as K
 
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
     eng = model.engine
     V = model.config.vocab_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, V, size=prompt_tokens).tolist() for _ in range(repeats + 1)]
+    feeds = [rng.integers(2, V, size=gen_tokens).tolist() for _ in range(repeats + 1)]
     runs = []
     for r, prompt in enumerate(prompts):
         cache = eng.new_cache(prompt_tokens + gen_tokens)
@@ -89,9 +100,9 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         tok = int(np.argmax(logits[0]))
         ttft = time.perf_counter() - t0
         s1 = _copy(eng.totals)
-        for _ in range(gen_tokens):
+        for j in range(gen_tokens):
             logits = eng.step([(cache, [tok])])
-            tok = int(np.argmax(logits[0]))
+            tok = int(np.argmax(logits[0])) if decode == "greedy" else feeds[r][j]
         t_dec = time.perf_counter() - t0 - ttft
         dec = _delta(s1, eng.totals)
         if r == 0:
@@ -113,7 +124,7 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
                    else l.attn.k_width + l.attn.v_width for l in layers) * 4
     w = model.weights
     return BenchResult(
-        model=label or str(model.path), quant=getattr(w, "quant", "f32"), threads=eng.threads,
+        model=label or str(model.path), decode=decode, quant=getattr(w, "quant", "f32"), threads=eng.threads,
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
         resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token, kv_bytes_per_token_expanded=expanded,
         peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, bandwidth_bytes_s=bw, roofline_tok_s=bw / per_token, runs=runs)

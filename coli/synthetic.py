@@ -36,6 +36,12 @@ SPECS = {
                         num_experts=64, num_experts_per_tok=8, intermediate_size=1024, vocab_size=50304),
 }
 STD = 0.02
+INT4_CODE_STD = float(np.sqrt(np.mean(np.arange(-7, 8) ** 2.0)))  # std of a uniform code in -7..7
+# Token embeddings of write_converted's models: large enough that each token's own vector
+# still steers routing in deep layers. With std STD the layers' outputs swamp it, attention
+# averages them over the context, and every token routes to the same experts there.
+EMBED_STD = 1.0
+GENERATION = 2  # of write_converted's random codes; part of its fingerprint and of ensure's directory name
 
 
 def config(name: str) -> dict:
@@ -119,17 +125,20 @@ def write_hf(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
     return out
 
 
-def _random_quantized(rng: np.random.Generator, shape, fmt: str):
+def _random_quantized(rng: np.random.Generator, shape, fmt: str, std: float = STD):
     """A random matrix drawn directly as int4/int8 codes with float16 scales, so that
     writing a 7B model costs its bytes, not billions of float draws and roundings.
-    The values spread like a normal weight of std STD."""
+    The values spread like a normal weight of std ``std``, with zero mean: codes drawn
+    uniformly over all 16 nibbles (-8..7) would give every matrix a mean of -0.5 scale
+    steps, a shared direction that makes all tokens route alike in deep layers."""
     from coli._engine import kernels as K
 
     rows, cols = shape
     kp = K.padded(cols)
-    d = np.full((rows, kp // 32), STD / (2.0 if fmt == "int4" else 50.0), dtype=np.float16)
-    if fmt == "int4":
-        q = rng.integers(0, 256, size=(rows, kp // 2), dtype=np.uint8)
+    d = np.full((rows, kp // 32), std / (INT4_CODE_STD if fmt == "int4" else 50.0), dtype=np.float16)
+    if fmt == "int4":  # both nibbles uniform in 1..15, i.e. values -7..7: zero mean
+        lo = rng.integers(1, 16, size=(rows, kp // 2), dtype=np.uint8)
+        q = lo | (rng.integers(1, 16, size=(rows, kp // 2), dtype=np.uint8) << 4)
     else:
         q = np.clip(rng.normal(0, 50.0, size=(rows, kp)), -127, 127).astype(np.int8)
     return K.QMatrix(K.FORMATS[fmt], q, d, rows, cols)
@@ -138,7 +147,8 @@ def _random_quantized(rng: np.random.Generator, shape, fmt: str):
 def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed: int = 0) -> Path:
     """A converted coli directory straight from random weights, never materialising the
     whole model in float: each tensor is drawn (directly as codes for int8/int4) and
-    appended in turn."""
+    appended in turn. Its routing is meant to move like a trained model's: under varied
+    input the busiest quarter of a layer's experts takes about 40-50% of the picks."""
     from coli.weights.source import default_head_quant
 
     out = Path(out)
@@ -161,15 +171,16 @@ def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed
             continue
         if kind == "w":
             fmt = head_quant if n in ("model.embed_tokens.weight", "lm_head.weight") else quant
-            w.add_matrix(n, _random_quantized(rng, shape, fmt) if fmt in ("int4", "int8")
-                         else quantize(_value(rng, shape, kind), fmt))
+            std = EMBED_STD if n == "model.embed_tokens.weight" else STD
+            w.add_matrix(n, _random_quantized(rng, shape, fmt, std) if fmt in ("int4", "int8")
+                         else quantize(_value(rng, shape, kind) * (std / STD), fmt))
         else:
             w.add_f32(n, _value(rng, shape, kind))
     cfg = config(name)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     write_tokenizer(tmp, cfg["vocab_size"])
-    w.finish(f"synthetic:{name}:seed{seed}", "olmoe")
+    w.finish(f"synthetic:{name}:seed{seed}:gen{GENERATION}", "olmoe")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -195,10 +206,11 @@ def ensure(name: str, quant: str, seed: int = 0) -> Path:
         raise KeyError(name)
     root = cache_dir()
     conv = root / f"{name}-{quant}-s{seed}"
+    if name == "olmoe-1b-7b":  # written directly, so its name carries the generator's version
+        conv = root / f"{name}-{quant}-s{seed}-g{GENERATION}"
+        return conv if (conv / "coli.json").exists() else write_converted(name, conv, quant, seed)
     if (conv / "coli.json").exists():
         return conv
-    if name == "olmoe-1b-7b":
-        return write_converted(name, conv, quant, seed)
     hf = root / f"{name}-hf-s{seed}"
     if not (hf / "config.json").exists():
         write_hf(name, hf, seed)

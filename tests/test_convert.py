@@ -203,3 +203,23 @@ def test_olmoe_mini_streams_at_a_quarter_of_its_experts(tmp_path):
     assert t.bytes_read > 0 and t.hit_rate < 1.0
     streamed.close()
 
+
+
+def test_prefetch_never_evicts_the_latest_steps_experts(converted):
+    """A wrong guess may take an empty slot or one the latest step did not use, never
+    the experts that step just used (the likeliest to be needed again)."""
+    d = converted["int4"]
+    m = coli.load(d, ram_budget=expert_bytes(d) // 2, pin=0)  # 4 slots for 8 experts per layer
+    cache = m.engine.new_cache()
+    m.engine.step([(cache, prompt_ids(6))])
+    m.engine.step([(cache, [5])])
+    for layer in m.weights.store.layers.values():
+        for fut in list(layer.pending.values()):
+            fut.result()
+        used = {int(layer.holder[s]) for s in np.flatnonzero(layer.stamp == layer._clock)}
+        assert len(used) == 2  # top-2 of the decode step
+        guesses = np.array([[e for e in range(8) if layer.slot_of[e] < 0]], dtype=np.int32)
+        layer.prefetch(guesses)
+        assert all(layer.slot_of[e] >= 0 for e in used)
+        assert len(layer.pending) <= layer.slots - len(used)
+    m.close()

@@ -29,6 +29,9 @@ def bench(
     repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
     no_prefetch: Annotated[bool, typer.Option("--no-prefetch", help="Do not read the next layer's experts ahead.")] = False,
     io: Annotated[str, typer.Option("--io", help="direct (bypass the page cache) or buffered.")] = "direct",
+    decode: Annotated[str, typer.Option(
+        "--decode", help="greedy: feed back the argmax. random: feed a seeded random continuation, so a "
+                         "random-weight model's routing varies like real text's (use it for cache A/Bs).")] = "greedy",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
@@ -40,6 +43,8 @@ def bench(
 
     if synthetic and model:
         raise fail("pass either --model or --synthetic, not both")
+    if decode not in B.DECODE_MODES:
+        raise fail(f"--decode must be one of: {', '.join(B.DECODE_MODES)}")
     opts = {k: v for k, v in dict(ram_budget=ram_budget, pin=pin).items() if v is not None}
     if synthetic:
         if synthetic not in SPECS:
@@ -53,13 +58,15 @@ def bench(
         m = coli.load(model, threads=threads, quant=quant, io=io, prefetch=not no_prefetch, **opts)
         label = str(m.path)
     try:
-        res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label)
+        res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,
+                    decode=decode)
     finally:
         m.close()
     if as_json:
         typer.echo(json.dumps(res.to_dict(), indent=1))
         return
-    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads · {res.simd}")
+    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads · {res.simd}"
+                    + (" · random decode input" if decode == "random" else ""))
     t.add_column("metric")
     t.add_column("median", justify="right")
     t.add_column("min … max", justify="right")

@@ -224,8 +224,13 @@ class StreamedExperts:
     def slots(self) -> int:
         return len(self.bufs)
 
-    def _victim(self, keep: np.ndarray, allow_pending: bool) -> int:
+    def _victim(self, keep: np.ndarray, allow_pending: bool, spare_recent: bool = False) -> int:
+        """The slot to fill next: an empty one, else the least recently used one that is not
+        pinned and holds none of ``keep``; -1 if there is none. ``spare_recent`` also spares
+        the experts of the latest step (a guess may only take a slot nobody used then)."""
         ok = ~self.pinned & ~np.isin(self.holder, keep)
+        if spare_recent:
+            ok &= (self.holder < 0) | (self.stamp < self._clock)
         if not allow_pending and self.pending:
             ok[list(self.pending)] = False
         cand = np.flatnonzero(ok)
@@ -312,12 +317,15 @@ class StreamedExperts:
             self.stamp[s] = self._clock
 
     def prefetch(self, idx: np.ndarray) -> None:
-        """Start background reads of the experts ``idx`` names that are not resident."""
+        """Start background reads of the experts ``idx`` names that are not resident.
+
+        A guess never evicts an expert that the layer's latest step used: in decoding those
+        are the likeliest to be needed again, and a wrong guess would cost a read later."""
         if not self.store.prefetch_enabled:
             return
         need = np.unique(idx)
         for e in need[self.slot_of[need] < 0]:
-            s = self._victim(need, allow_pending=False)
+            s = self._victim(need, allow_pending=False, spare_recent=True)
             if s < 0:
                 return
             self._assign(int(e), s)
