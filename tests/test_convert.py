@@ -65,6 +65,8 @@ def test_streaming_gives_resident_results(converted, q):
     assert a == b
     t = streamed.engine.totals
     assert t.bytes_read > 0 and t.hit_rate < 1.0
+    st = store.stats  # every needed expert counted once: a hit, a prefetch hit or a miss
+    assert st.hits + st.prefetch_hits + st.misses == st.needed
     streamed.close()
 
 

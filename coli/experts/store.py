@@ -218,7 +218,8 @@ class StreamedExperts:
         self.stamp = np.zeros(slots, dtype=np.int64)  # last use, for LRU
         self.pending: dict[int, Future] = {}  # slot -> read in flight
         self.prefetched: set[int] = set()  # experts whose slot a prefetch filled
-        self._clock = 0
+        self.started: set[int] = set()  # missed experts whose read start() began ahead of their group
+        self._clock = 0  # steps seen (groups calls)
 
     @property
     def slots(self) -> int:
@@ -244,6 +245,7 @@ class StreamedExperts:
         if old >= 0:
             self.slot_of[old] = -1
             self.prefetched.discard(int(old))
+            self.started.discard(int(old))
         self.holder[s], self.slot_of[e] = e, s
 
     def _settle(self, s: int) -> None:
@@ -269,9 +271,11 @@ class StreamedExperts:
         return True
 
     def groups(self, idx: np.ndarray) -> list[np.ndarray]:
-        """The step's experts split into groups that fit this layer's unpinned slots,
-        resident ones first; each group is (E,) uint8 with 1 for its experts."""
+        """The step's experts split into groups that fit this layer's unpinned slots:
+        the resident ones, then the missing ones that fit beside them, then the rest in
+        chunks of the unpinned slots; each group is (E,) uint8 with 1 for its experts."""
         need = np.unique(idx)
+        self._clock += 1  # one tick per step: every expert a step uses gets the same stamp
         st = self.store.stats
         st.needed += len(need)
         here = self.slot_of[need] >= 0
@@ -279,10 +283,14 @@ class StreamedExperts:
         room = self.slots - int(self.pinned.sum())
         used = int((~self.pinned[self.slot_of[resident]]).sum()) if len(resident) else 0
         first = max(room - used, 0)
-        chunks = [np.concatenate([resident, missing[:first]])]
+        # the resident experts form their own group, so that the reads of the first missing
+        # ones (which fit beside them) can run while they compute (see start)
+        chunks = [resident, missing[:first]]
         chunks += [missing[i : i + room] for i in range(first, len(missing), room)]
         masks = []
         for c in chunks:
+            if not len(c):
+                continue
             m = np.zeros(self.E, dtype=np.uint8)
             m[c] = 1
             masks.append(m)
@@ -292,13 +300,15 @@ class StreamedExperts:
         """Make every expert marked in ``active`` resident, reading what is missing."""
         st = self.store.stats
         group = np.flatnonzero(active)
-        self._clock += 1
         for e in group:
             s = self.slot_of[e]
             if s >= 0:
                 if s in self.pending:
                     self._settle(s)
-                if e in self.prefetched:
+                if e in self.started:  # a miss whose read start() overlapped with compute
+                    st.misses += 1
+                    self.started.discard(int(e))
+                elif e in self.prefetched:
                     st.prefetch_hits += 1
                     self.prefetched.discard(int(e))
                 else:
@@ -315,6 +325,20 @@ class StreamedExperts:
                 st.misses += 1
                 self.table.set(int(e), *self.mats[s])
             self.stamp[s] = self._clock
+
+    def start(self, active: np.ndarray, keep: np.ndarray | None) -> None:
+        """Begin reading the missing experts of ``active`` on the I/O thread, into slots
+        that hold none of ``keep`` (the group computing meanwhile); ``load(active)`` then
+        waits for them. Experts for which no such slot is free are left to ``load``."""
+        group = np.flatnonzero(active)
+        protect = group if keep is None else np.concatenate([group, np.flatnonzero(keep)])
+        for e in group[self.slot_of[group] < 0]:
+            s = self._victim(protect, allow_pending=False)
+            if s < 0:
+                return
+            self._assign(int(e), s)
+            self.started.add(int(e))
+            self.pending[s] = self.store.submit(self.first + int(e), self.bufs[s])
 
     def prefetch(self, idx: np.ndarray) -> None:
         """Start background reads of the experts ``idx`` names that are not resident.

@@ -225,11 +225,14 @@ class MoE:
                 rs.get("moe_xq", n, self.kp_h, np.int8), rs.get("moe_xqd", n, self.kp_h // 32),
                 rs.get("moe_xqs", n, self.kp_h // 32, np.int32), rs.get("moe_hq", n, self.kp_i, np.int8),
                 rs.get("moe_hqd", n, self.kp_i // 32), rs.get("moe_hqs", n, self.kp_i // 32, np.int32))
-        # Experts not resident are read in groups that fit the cache; each group is computed
-        # before the next is read, and the weighted sum runs once at the end (same bits).
+        # Experts not resident are read in groups that fit the cache, the next group's reads
+        # running while this one computes when both fit; the weighted sum runs once at the
+        # end (same bits).
         groups = self.experts.groups(idx)
         for i, active in enumerate(groups):
             self.experts.load(active)
+            if i + 1 < len(groups):
+                self.experts.start(groups[i + 1], keep=active)
             K.moe_experts(x, idx, wts, self.table, out, *bufs, active=active, combine=i == len(groups) - 1)
         self.last = idx.copy()
         if self.shared is not None:

@@ -37,6 +37,9 @@ class ResidentExperts:
     def load(self, active) -> None:
         pass
 
+    def start(self, active, keep) -> None:
+        pass
+
     def prefetch(self, idx: np.ndarray) -> None:
         pass
 
