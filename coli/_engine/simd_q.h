@@ -104,9 +104,9 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
 #define COLI_QTILE512(NAME, IS4, MR, NR)                                                            \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
-        __m512 acc[MR][NR];                                                                        \
+        __m512 acc[MR][NR], cor[MR][NR]; /* cor: Q4's offset term, once per chunk (see below) */  \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                          \
+            for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
         /* lane l of a step's vectors belongs to group 2s + pat[l] (see above) */                \
         const __m512i pat = IS4 ? _mm512_and_si512(_mm512_srli_epi32(_mm512_set_epi32(             \
                                       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2),   \
@@ -118,15 +118,22 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
             /* one chunk: up to 16 groups, their scales loaded once as vectors */                 \
             int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
             __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
+            __mmask16 ce = (__mmask16)((1u << (cn & ~1)) - 1u); /* the groups done in pairs here */ \
             __m512 wsv[NR], xsv[MR];                                                               \
-            __m512i bsv[MR];                                                                       \
             for (int j = 0; j < NR; j++)                                                           \
                 wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
             for (int i = 0; i < MR; i++) {                                                         \
                 xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
-                bsv[i] = IS4 ? _mm512_maskz_loadu_epi32(cm, a->qs + i * a->ldb + c0)               \
-                             : _mm512_setzero_si512();                                             \
+                if (IS4) { /* sum over a group of (nibble - 8) * x = dot(nibble, x) - 8 * sum(x):  \
+                              the second part is 8 * qs * xd * wd per group, summed per chunk */   \
+                    __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(         \
+                                                  ce, a->qs + i * a->ldb + c0)), xsv[i]);          \
+                    xb = _mm512_mul_ps(xb, _mm512_set1_ps(8.0f));                                  \
+                    for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]); \
+                }                                                                                  \
             }                                                                                      \
+            if (MR == 1) /* one token: fold its scales into the weights' once per chunk */        \
+                for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
             for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
                 __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i w[NR];                                                                     \
@@ -149,20 +156,19 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
                 for (int i = 0; i < MR; i++) {                                                     \
                     __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));    \
                     if (IS4) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));              \
-                    __m512 xs = _mm512_permutexvar_ps(sel, xsv[i]);                                \
-                    __m512i bs = IS4 ? _mm512_permutexvar_epi32(sel, bsv[i]) : _mm512_setzero_si512(); \
+                    __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
                     for (int j = 0; j < NR; j++) {                                                 \
                         __m512i xx = IS4 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x); \
                         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);         \
-                        if (IS4) d = _mm512_sub_epi32(d, bs);                                      \
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[j], xs), acc[i][j]); \
+                        __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
-                float s = _mm512_reduce_add_ps(acc[i][j]);                                         \
+                float s = _mm512_reduce_add_ps(acc[i][j]) - (IS4 ? _mm512_reduce_add_ps(cor[i][j]) : 0.0f); \
                 if (b < nb) { /* odd group count: the last group through the 256-bit tile */      \
                     coli_act one = *a;                                                             \
                     one.q += i * a->ldq + b * 32;                                                  \
