@@ -45,7 +45,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
          max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
          ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
-         prefetch: bool = True, **options) -> "Model":
+         prefetch: bool = False, **options) -> "Model":
     """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
@@ -59,7 +59,9 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     experts (default: what is available); below the experts' size they are streamed
     from disk through per-layer caches with a ``pin`` ("512M") hot set learned from
     .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered";
-    ``prefetch`` reads the next layer's likely experts while a layer computes."""
+    ``prefetch`` reads the next layer's likely experts while a layer computes (off by
+    default: on a disk-bound run its wrong guesses cost more reads than it saves; see
+    BENCHMARKS.md)."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
     for q in (quant, head_quant):

@@ -49,13 +49,14 @@ def test_converted_equals_quantize_at_load(src, converted, q):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("q", ["int8", "int4"])
-def test_streaming_gives_resident_results(converted, q):
+def test_streaming_gives_resident_results(converted, q, prefetch):
     d = converted[q]
     resident = coli.load(d)
     assert resident.weights.store.resident
     budget = expert_bytes(d) // 4
-    streamed = coli.load(d, ram_budget=budget, pin=0)
+    streamed = coli.load(d, ram_budget=budget, pin=0, prefetch=prefetch)
     store = streamed.weights.store
     assert not store.resident
     ids = prompt_ids(20)
@@ -67,6 +68,7 @@ def test_streaming_gives_resident_results(converted, q):
     assert t.bytes_read > 0 and t.hit_rate < 1.0
     st = store.stats  # every needed expert counted once: a hit, a prefetch hit or a miss
     assert st.hits + st.prefetch_hits + st.misses == st.needed
+    assert (st.prefetch_issued > 0) == prefetch
     streamed.close()
 
 
@@ -211,7 +213,7 @@ def test_prefetch_never_evicts_the_latest_steps_experts(converted):
     """A wrong guess may take an empty slot or one the latest step did not use, never
     the experts that step just used (the likeliest to be needed again)."""
     d = converted["int4"]
-    m = coli.load(d, ram_budget=expert_bytes(d) // 2, pin=0)  # 4 slots for 8 experts per layer
+    m = coli.load(d, ram_budget=expert_bytes(d) // 2, pin=0, prefetch=True)  # 4 slots for 8 experts per layer
     cache = m.engine.new_cache()
     m.engine.step([(cache, prompt_ids(6))])
     m.engine.step([(cache, [5])])

@@ -27,7 +27,8 @@ def bench(
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1)] = 128,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", min=1)] = 64,
     repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
-    no_prefetch: Annotated[bool, typer.Option("--no-prefetch", help="Do not read the next layer's experts ahead.")] = False,
+    prefetch: Annotated[bool, typer.Option(
+        "--prefetch/--no-prefetch", help="Read the next layer's likely experts ahead (streamed experts only).")] = False,
     io: Annotated[str, typer.Option("--io", help="direct (bypass the page cache) or buffered.")] = "direct",
     decode: Annotated[str, typer.Option(
         "--decode", help="greedy: feed back the argmax. random: feed a seeded random continuation, so a "
@@ -52,10 +53,10 @@ def bench(
         q = quant or "int4"
         with stderr.status(f"Preparing synthetic {synthetic} ({q}) in {S.cache_dir()}…", spinner="dots"):
             path = S.ensure(synthetic, q)
-        m = coli.load(path, threads=threads, io=io, prefetch=not no_prefetch, **opts)
+        m = coli.load(path, threads=threads, io=io, prefetch=prefetch, **opts)
         label = f"synthetic:{synthetic}"
     else:
-        m = coli.load(model, threads=threads, quant=quant, io=io, prefetch=not no_prefetch, **opts)
+        m = coli.load(model, threads=threads, quant=quant, io=io, prefetch=prefetch, **opts)
         label = str(m.path)
     try:
         res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,

@@ -68,7 +68,7 @@ class ExpertStore:
     """All experts of one converted model: residency policy, the file, I/O and stats."""
 
     def __init__(self, model_dir: Path, manifest: dict, *, ram_budget: int | None = None, pin: int | None = None,
-                 io: str = "direct", verify: bool = True, prefetch: bool = True):
+                 io: str = "direct", verify: bool = True, prefetch: bool = False):
         ex = manifest["experts"]
         self.dir, self.manifest = model_dir, manifest
         self.path = model_dir / ex["file"]

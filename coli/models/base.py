@@ -251,14 +251,15 @@ class MoE:
                                 scratch[: len(logits)])
 
     def _prefetch_next(self, x: np.ndarray, rs: RunState) -> None:
-        """Guess the next MoE layer's experts from this layer's input and start reading them."""
+        """Guess the next MoE layer's experts from this layer's input (its router applied to
+        this layer's input) and start reading the likelier half of each token's guesses."""
         nxt = self.next
         logits = rs.get("router_next", len(x), nxt.E)  # (M, E')
         K.linear(x, nxt.router, logits)
         idx = rs.get("moe_idx_next", len(x), nxt.k, np.int32)
         wts = rs.get("moe_w_next", len(x), nxt.k)
         nxt.route(logits, idx, wts)
-        nxt.experts.prefetch(idx)
+        nxt.experts.prefetch(idx[:, : max(1, nxt.k // 2)])
 
 
 @dataclass
