@@ -72,16 +72,21 @@ def test_installed_coli_run_answers_from_a_pipe(tmp_path):
 
 
 def test_int8_stays_within_the_documented_tolerance():
-    """docs/QUANTIZATION.md: int8 relative logit error <= 3.5% on the built-in model over
-    the definition prompts of benchmarks/quant_quality.py."""
+    """docs/QUANTIZATION.md: on the built-in model over the definition prompts of
+    benchmarks/quant_quality.py, int8's relative logit error is <= 6.5% and its top-1
+    token agrees with f32's at >= 97% of positions."""
     texts = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a kind of 'tree'?",
              "What does 'harbor' mean?", "What is 'oak' a kind of?", "What does 'quick' mean?",
              "Give a synonym for 'happy'.", "What does 'mountain' mean?"]
     f32, q8 = coli.load(threads=2), coli.load(threads=2, quant="int8")
     num = den = 0.0
+    same = total = 0
     for t in texts:
         ids = f32.prompt_ids(t)
         r, q = f32.forward(ids), q8.forward(ids)
         num += float(((q - r) ** 2).sum())
         den += float((r ** 2).sum())
-    assert (num / den) ** 0.5 <= 0.035
+        same += int((r.argmax(-1) == q.argmax(-1)).sum())
+        total += len(r)
+    assert (num / den) ** 0.5 <= 0.065
+    assert same / total >= 0.97

@@ -13,11 +13,16 @@ What it does
   3. Holds out 5% of synsets (seeded hash of pos+offset) for evaluation; any
      exchange that touches a held-out synset is excluded from training.
   4. Trains a byte-level BPE tokenizer (tokenizers library) on the training text.
-  5. Trains a Qwen3MoeForCausalLM (8 experts, top-2) on assistant tokens only,
-     for a wall-clock budget (--minutes), then continues (--freq-minutes) on a mix
-     that upweights the most frequent sense of frequently used words (cntlist.rev),
-     then evaluates and saves with
-     save_pretrained (safetensors) + PreTrainedTokenizerFast.save_pretrained.
+  5. Picks the "core" vocabulary: the --core-words most common single-word lemmas,
+     ranked by tagged uses in SemCor (cntlist.rev) plus how often the word occurs in
+     the training glosses and examples (catches everyday words SemCor rarely tags,
+     like "bread").
+  6. Trains a Qwen3MoeForCausalLM (8 experts, top-2) on assistant tokens only, for a
+     wall-clock budget (--minutes), on a mixture: --core-frac of the samples are
+     core exchanges (the gloss of each core word's most used sense under every
+     definition phrasing, and a synonym), the rest all training exchanges; then
+     evaluates and saves with save_pretrained (safetensors) +
+     PreTrainedTokenizerFast.save_pretrained.
 
 Evaluation (also runnable alone: tools/eval_default_model.py) prints held-out
 loss/perplexity, the gloss-overlap rate of greedy definitions of 200 held-out
@@ -26,6 +31,7 @@ words, and sample answers.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import math
@@ -187,17 +193,38 @@ HYPER_Q = ["What is '{w}' a kind of?", "What kind of thing is '{w}'?"]
 EX_Q = ["Use '{w}' in a sentence.", "Give an example sentence with '{w}'."]
 
 
-def build_examples(synsets, index, rng: random.Random, usage=None, core_min_count=4):
-    """Returns (train, heldout, heldout_defs); each item = (question, answer, weight).
+def core_lemmas(synsets, index, usage, n):
+    """The n most common single-word lemmas whose most used sense is trained on, scored by
+    ln(1 + SemCor tagged uses) + ln(1 + occurrences in training glosses and examples).
+    Returns {lemma: score}."""
+    in_glosses = collections.Counter()
+    for key, ss in synsets.items():
+        if not is_heldout(key):
+            for text in [ss["definition"]] + ss["examples"]:
+                in_glosses.update(re.findall(r"[a-z]+", text.lower()))
+    scored = []
+    for lemma, by_pos in index.items():
+        if not re.fullmatch(r"[a-z]+", lemma):
+            continue
+        pos = usage_pos(lemma, by_pos, usage)[0]
+        key = (pos, by_pos[pos][1][0])
+        if key not in synsets or is_heldout(key) or not synsets[key]["definition"]:
+            continue
+        score = math.log1p(sum(usage.get(lemma, {}).values())) + math.log1p(in_glosses[lemma])
+        scored.append((-score, lemma))
+    scored.sort()
+    return {lemma: -neg for neg, lemma in scored[:n]}
 
-    With `usage` (lemma -> {pos: cntlist.rev count}, the phase-2 data) it returns
-    (train, heldout, heldout_defs, core) instead: the plain definition question goes to the
-    most *used* part of speech, and `core` holds extra exchanges for every lemma used at
-    least `core_min_count` times: its most frequent sense's gloss under every definition
-    phrasing, plus a synonym from that synset (the most used other lemma), sharing the lemma
-    weight 1 + ln(count) (canonical question 0.5, other phrasings 0.3, synonym 0.2). The
-    held-out split is the same (it only depends on the synset)."""
-    train, held, held_defs, core = [], [], [], []
+
+def build_examples(synsets, index, rng: random.Random, usage, core=()):
+    """Returns (train, heldout, heldout_defs, core_ex); each item = (question, answer, weight).
+
+    The plain definition question goes to the lemma's most *used* part of speech
+    (cntlist.rev). `core` maps core lemmas to their score; each gets its most used sense's
+    gloss (no example) under every definition phrasing plus a synonym from that synset (the
+    most used other lemma), with lemma weight = score (canonical question 0.5, other
+    phrasings 0.3, synonym 0.2). The held-out split only depends on the synset."""
+    train, held, held_defs, core_ex = [], [], [], []
 
     def add(q, a, keys, w):
         (held if any(is_heldout(k) for k in keys) else train).append((q, a, w))
@@ -208,13 +235,8 @@ def build_examples(synsets, index, rng: random.Random, usage=None, core_min_coun
     for lemma, by_pos in index.items():
         if not lemma or len(lemma) > 40:
             continue
-        # plain question goes to the pos with most tagged senses (noun on ties)
-        if usage is None:
-            order = sorted(by_pos, key=lambda p: (-by_pos[p][0], "nvar".index(p)))
-        else:
-            order = usage_pos(lemma, by_pos, usage)
+        order = usage_pos(lemma, by_pos, usage)
         total_cnt = sum(c for c, _ in by_pos.values())
-        used = sum(usage.get(lemma, {}).values()) if usage is not None else 0
         for rank, pos in enumerate(order):
             cnt, offs = by_pos[pos]
             key = (pos, offs[0])
@@ -222,18 +244,18 @@ def build_examples(synsets, index, rng: random.Random, usage=None, core_min_coun
             if ss is None or not ss["definition"]:
                 continue
             ans = sentence(ss["definition"])
-            if ss["examples"] and rng.random() < 0.5 and not (rank == 0 and used >= core_min_count):
-                ans += f' For example: "{ss["examples"][0]}"'  # core answers: the gloss alone
-            if rank == 0 and usage is not None and used >= core_min_count and not is_heldout(key):
-                cw = 1.0 + math.log(used)
+            if rank == 0 and lemma in core:
+                cw = core[lemma]
                 qs = DEF_Q[1:] + (DEF_Q_NOUN if pos == "n" else [])
-                core.append((f"What does '{lemma}' mean?", ans, cw * 0.5))
+                core_ex.append((f"What does '{lemma}' mean?", ans, cw * 0.5))
                 for q in qs:
-                    core.append((q.format(w=lemma), ans, cw * 0.3 / len(qs)))
+                    core_ex.append((q.format(w=lemma), ans, cw * 0.3 / len(qs)))
                 others = [o for o in ss["words"] if o != lemma]
                 if others:
                     best = max(others, key=lambda o: (sum(usage.get(o, {}).values()), -others.index(o)))
-                    core.append((f"Give a synonym for '{lemma}'.", f"A synonym for '{lemma}' is '{best}'.", cw * 0.2))
+                    core_ex.append((f"Give a synonym for '{lemma}'.", f"A synonym for '{lemma}' is '{best}'.", cw * 0.2))
+            elif ss["examples"] and rng.random() < 0.5:
+                ans += f' For example: "{ss["examples"][0]}"'  # core answers: the gloss alone
             if rank == 0:
                 qs = DEF_Q + (DEF_Q_NOUN if pos == "n" else [])
                 q = rng.choice(qs).format(w=lemma)
@@ -278,11 +300,8 @@ def build_examples(synsets, index, rng: random.Random, usage=None, core_min_coun
 
     for q, a in SMALL_TALK:
         train.append((q, a, 40.0))
-        if usage is not None:
-            core.append((q, a, 3.0))
-    if usage is not None:
-        return train, held, held_defs, core
-    return train, held, held_defs
+        core_ex.append((q, a, 3.0))
+    return train, held, held_defs, core_ex
 
 
 def render(q: str, a: str | None = None) -> str:
@@ -447,25 +466,21 @@ def run_eval(model, tok, held_pairs, held_defs, n_overlap=200):
                 overlap=ov, overlap_n=n, overlap_ended_with_im_end=ended)
 
 
-def build_data():
+def build_data(core_words=3000):
+    """(synsets, index, train, held, held_defs, core_ex); deterministic for a given core size."""
     rng = random.Random(SEED)
     synsets, index = load_wordnet()
-    train, held, held_defs = build_examples(synsets, index, rng)
-    return synsets, index, train, held, held_defs
-
-
-def build_freq_data(synsets, index, usage, min_count):
-    """Phase-2 data (same held-out split): (general exchanges, core exchanges)."""
-    rng = random.Random(SEED + 1)
-    train2, _, _, core = build_examples(synsets, index, rng, usage=usage, core_min_count=min_count)
-    return train2, core
+    usage = load_usage()[0]
+    core = core_lemmas(synsets, index, usage, core_words)
+    train, held, held_defs, core_ex = build_examples(synsets, index, rng, usage, core)
+    return synsets, index, train, held, held_defs, core_ex
 
 
 # ---------------------------------------------------------------- main -------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="coli/default_model")
-    ap.add_argument("--minutes", type=float, default=52.0, help="wall-clock budget of the main phase")
+    ap.add_argument("--minutes", type=float, default=75.0, help="wall-clock training budget")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=192)
@@ -475,22 +490,10 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-steps", type=int, default=0, help="0 = until the time budget")
-    ap.add_argument("--core-minutes", type=float, default=0.0,
-                    help="optional second phase on frequent-word definitions only (weight >= 4.5); tried with 7 min: it overfits badly (held-out ppl 10.6 -> 106), so off by default")
-    ap.add_argument("--core-lr", type=float, default=1e-3)
-    ap.add_argument("--resume", default=None,
-                    help="skip the main phase: load a raw checkpoint written by an earlier run "
-                         "(/tmp/default_model_ckpt.pt) and the tokenizer.json saved next to it by --out")
-    ap.add_argument("--resume-tokenizer", default=None, help="tokenizer.json of the resumed run")
-    ap.add_argument("--freq-minutes", type=float, default=34.0,
-                    help="phase 2 (after the main phase, or after --resume): continue on a mixture that "
-                         "upweights the most frequent sense of frequent lemmas by cntlist.rev usage counts; "
-                         "shipped: 34; 0 = off")
-    ap.add_argument("--freq-lr", type=float, default=1e-3)
-    ap.add_argument("--freq-core-frac", type=float, default=0.6,
-                    help="share of phase-2 samples drawn from the frequent-word core (rest: all training data)")
-    ap.add_argument("--freq-min-count", type=int, default=4,
-                    help="core = lemmas with at least this many tagged uses in cntlist.rev")
+    ap.add_argument("--core-words", type=int, default=3000,
+                    help="size of the common-word core (SemCor uses + occurrences in glosses)")
+    ap.add_argument("--core-frac", type=float, default=0.6,
+                    help="share of samples drawn from the core exchanges (rest: all training data)")
     ap.add_argument("--overlap-n", type=int, default=200, help="held-out definition questions to score")
     ap.add_argument("--bench", action="store_true", help="time 10 steps and exit")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -505,33 +508,27 @@ def main():
     random.seed(SEED); np.random.seed(SEED); torch.manual_seed(SEED)
     t0 = time.time()
 
-    synsets, index, train, held, held_defs = build_data()
+    data = build_data(args.core_words)
+    synsets, index, train, held, held_defs, core_ex = data
     print(f"synsets={len(synsets)} lemmas={len(index)} train_ex={len(train)} heldout_ex={len(held)} "
-          f"heldout_defs={len(held_defs)} ({time.time()-t0:.0f}s)", flush=True)
+          f"heldout_defs={len(held_defs)} core_ex={len(core_ex)} ({args.core_words} words) "
+          f"({time.time()-t0:.0f}s)", flush=True)
 
-    rng = random.Random(SEED)
-    tok_texts = [render(q, a) for q, a, _ in train]
-    if args.resume_tokenizer:
-        from tokenizers import Tokenizer
-        raw_tok = Tokenizer.from_file(args.resume_tokenizer)
-        assert raw_tok.get_vocab() == train_tokenizer(tok_texts, args.vocab).get_vocab(), "tokenizer mismatch"
-    else:
-        raw_tok = train_tokenizer(tok_texts, args.vocab)
+    raw_tok = train_tokenizer([render(q, a) for q, a, _ in train], args.vocab)
     tok = wrap_tokenizer(raw_tok)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     print(f"tokenizer vocab={len(tok)} im_start={im_start} im_end={im_end} eot={eot}", flush=True)
 
-    weights = np.array([w for _, _, w in train], dtype=np.float64)
-    probs = weights / weights.sum()
-    enc, ntok = None, None
-    if not args.resume or args.core_minutes > 0:  # phase-1 data is only needed by the main/core phases
-        enc = [encode_pair(tok, q, a) for q, a, _ in train]
-        enc = [(i[:256], l[:256]) for i, l in enc]
-        ntok = np.array([len(i) for i, _ in enc])
-        print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()} "
-              f"weighted-epoch tokens={int((ntok).sum())} ({time.time()-t0:.0f}s)", flush=True)
+    pairs = train + core_ex
+    enc = [encode_pair(tok, q, a) for q, a, _ in pairs]
+    enc = [(i[:256], l[:256]) for i, l in enc]
+    ntok = np.array([len(i) for i, _ in enc])
+    wg = np.array([w for _, _, w in train]); wc = np.array([w for _, _, w in core_ex])
+    probs = np.concatenate([(1 - args.core_frac) * wg / wg.sum(), args.core_frac * wc / wc.sum()])
+    print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()}; core share {args.core_frac} "
+          f"({time.time()-t0:.0f}s)", flush=True)
 
     config = AutoConfig.for_model(
         "qwen3_moe",
@@ -546,44 +543,18 @@ def main():
         bos_token_id=im_start, eos_token_id=im_end, pad_token_id=eot,
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if args.resume:
-        model.load_state_dict(torch.load(args.resume)["state_dict"])
-        print(f"resumed main-phase weights from {args.resume}", flush=True)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"params={nparams/1e6:.2f}M  config: hidden={args.hidden} layers={args.layers} "
           f"experts={args.experts} top2 moe_inter={args.moe_inter}", flush=True)
 
-    core = np.array([w >= 4.5 for _, _, w in train])
-    print(f"core subset: {int(core.sum())} exchanges", flush=True)
-    phases = [] if args.resume else [("main", args.minutes, args.lr, enc, ntok, probs, 200)]
-    if args.core_minutes > 0:
-        cp = np.where(core, weights, 0.0)
-        phases.append(("core", args.core_minutes, args.core_lr, enc, ntok, cp / cp.sum(), 50))
-    usage = load_usage()[0]
-    if args.freq_minutes > 0:
-        train2, core2 = build_freq_data(synsets, index, usage, args.freq_min_count)
-        pairs2 = train2 + core2
-        enc2 = [encode_pair(tok, q, a) for q, a, _ in pairs2]
-        enc2 = [(i[:256], l[:256]) for i, l in enc2]
-        ntok2 = np.array([len(i) for i, _ in enc2])
-        wg = np.array([w for _, _, w in train2]); wc = np.array([w for _, _, w in core2])
-        probs2 = np.concatenate([(1 - args.freq_core_frac) * wg / wg.sum(), args.freq_core_frac * wc / wc.sum()])
-        n_core_lemmas = len({q for q, _, _ in core2 if q.startswith("What does '")})
-        print(f"freq phase data: general={len(train2)} core={len(core2)} exchanges "
-              f"({n_core_lemmas} lemmas with >= {args.freq_min_count} uses), core share {args.freq_core_frac} "
-              f"({time.time()-t0:.0f}s)", flush=True)
-        phases.append(("freq", args.freq_minutes, args.freq_lr, enc2, ntok2, probs2, 100))
     np_rng = np.random.default_rng(SEED)
-    step, toks_seen, train_secs = 0, 0, 0.0
-    for phase, minutes, base_lr, p_enc, p_ntok, phase_probs, warmup in phases:
-        print(f"phase {phase}: {minutes} min, lr {base_lr}", flush=True)
-        s0, t0_, sec0 = step, toks_seen, time.time()
-        step, toks_seen = train_phase(model, config, p_enc, p_ntok, phase_probs, args, minutes * 60.0, base_lr,
-                                      warmup, np_rng, eot, step, toks_seen)
-        train_secs += time.time() - sec0
+    sec0 = time.time()
+    step, toks_seen = train_phase(model, config, enc, ntok, probs, args, args.minutes * 60.0, args.lr,
+                                  200, np_rng, eot, 0, 0)
+    train_secs = time.time() - sec0
     print(f"training done: {step} steps, {toks_seen} tokens, {train_secs/60:.1f} min", flush=True)
-    save_and_eval(model, tok, config, args, nparams, (synsets, index, train, held, held_defs), step,
-                  toks_seen, train_secs, t0, im_start, im_end, eot)
+    save_and_eval(model, tok, config, args, nparams, data, step, toks_seen, train_secs, t0,
+                  im_start, im_end, eot)
 
 
 def train_phase(model, config, enc, ntok, probs, args, budget, base_lr, warmup, np_rng, eot, step0, toks0):
@@ -701,7 +672,7 @@ def evaluate_dir(out_dir, data=None, n_overlap=200, common_only=False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    synsets, index, _, held, held_defs = data if data is not None else build_data()
+    synsets, index, _, held, held_defs, _ = data if data is not None else build_data()
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What does 'ocean' mean?"}],
