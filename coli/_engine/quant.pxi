@@ -298,7 +298,9 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
     cdef coli_act ax = _activations(&xg[0, 0], H, NULL, NULL, NULL, 0, 0)
     cdef coli_act ah = _activations(&gbuf[0, 0], inter, NULL, NULL, NULL, 0, 0)
     cdef coli_act sub
-    cdef int rb = 2 * ROW_BLOCK if table.fmt == COLI_F32 else ROW_BLOCK  # rows per work item
+    # rows per work item; in decoding (few tokens per expert) longer runs of rows keep each
+    # thread's weight reads sequential, which the hardware prefetcher streams best
+    cdef int rb = 2 * ROW_BLOCK if table.fmt == COLI_F32 else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
     cdef int kmax = H if H > inter else inter
     # f32 experts with many tokens: their gathered rows packed into token panels
     cdef float *panels = (_panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if table.fmt == COLI_F32
