@@ -41,22 +41,38 @@ def test_logits_match_transformers(model):
     assert np.abs(model.forward(ids) - want).max() <= 1e-4
 
 
+def greedy_answer(model, prompt, limit=64):
+    """The greedy answer's text, or None when no end-of-turn comes within ``limit`` tokens."""
+    cache = model.engine.new_cache()
+    logits = model.engine.step([(cache, model.prompt_ids(prompt))])
+    out = []
+    for _ in range(limit):
+        tok = int(np.argmax(logits[0]))
+        if tok in model.eos_ids:
+            return model.tokenizer.decode(out)
+        out.append(tok)
+        logits = model.engine.step([(cache, [tok])])
+    return None
+
+
 @pytest.mark.parametrize("word", HELD_OUT)
 def test_held_out_words_get_a_finished_answer(model, word):
     """Greedy: a non-empty answer that ends with the end-of-turn token, not the token limit."""
-    ids = model.prompt_ids(f"What does '{word}' mean?")
-    cache = model.engine.new_cache()
-    logits = model.engine.step([(cache, ids)])
-    out = []
-    for _ in range(64):
-        tok = int(np.argmax(logits[0]))
-        if tok in model.eos_ids:
-            break
-        out.append(tok)
-        logits = model.engine.step([(cache, [tok])])
-    else:
-        pytest.fail(f"no end-of-turn within 64 tokens for {word!r}")
-    assert model.tokenizer.decode(out).strip()
+    answer = greedy_answer(model, f"What does '{word}' mean?")
+    assert answer is not None, f"no end-of-turn within 64 tokens for {word!r}"
+    assert answer.strip()
+
+
+def test_a_second_user_turn_gets_an_answer(model):
+    """In a conversation (coli chat keeps the history), a definition question after an
+    earlier exchange is answered like the same question asked alone, not with noise."""
+    alone = greedy_answer(model, "What does 'house' mean?")
+    history = [{"role": "user", "content": "Hello"},
+               {"role": "assistant", "content": greedy_answer(model, "Hello")},
+               {"role": "user", "content": "What does 'house' mean?"}]
+    later = greedy_answer(model, history)
+    assert alone and later is not None and len(later.split()) >= 3
+    assert set(later.lower().split()) & set(alone.lower().split()) - {"a", "an", "the", "of"}
 
 
 def test_installed_coli_run_answers_from_a_pipe(tmp_path):
@@ -73,20 +89,24 @@ def test_installed_coli_run_answers_from_a_pipe(tmp_path):
 
 def test_int8_stays_within_the_documented_tolerance():
     """docs/QUANTIZATION.md: on the built-in model over the definition prompts of
-    benchmarks/quant_quality.py, int8's relative logit error is <= 6.5% and its top-1
-    token agrees with f32's at >= 97% of positions."""
+    benchmarks/quant_quality.py, int8's relative logit error is <= 6.5% and the mean
+    KL(f32 || int8) of the next-token distributions <= 0.02."""
     texts = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a kind of 'tree'?",
              "What does 'harbor' mean?", "What is 'oak' a kind of?", "What does 'quick' mean?",
              "Give a synonym for 'happy'.", "What does 'mountain' mean?"]
     f32, q8 = coli.load(threads=2), coli.load(threads=2, quant="int8")
-    num = den = 0.0
-    same = total = 0
+    num = den = kl = 0.0
+    n = 0
     for t in texts:
         ids = f32.prompt_ids(t)
-        r, q = f32.forward(ids), q8.forward(ids)
+        r, q = f32.forward(ids).astype(np.float64), q8.forward(ids).astype(np.float64)
         num += float(((q - r) ** 2).sum())
         den += float((r ** 2).sum())
-        same += int((r.argmax(-1) == q.argmax(-1)).sum())
-        total += len(r)
+        lr = r - r.max(-1, keepdims=True)
+        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
+        lq = q - q.max(-1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+        kl += float((np.exp(lr) * (lr - lq)).sum())
+        n += len(r)
     assert (num / den) ** 0.5 <= 0.065
-    assert same / total >= 0.97
+    assert kl / n <= 0.02

@@ -333,11 +333,35 @@ def wrap_tokenizer(tok):
     return fast
 
 
-def encode_pair(tok, q, a):
-    """ids, labels (prompt masked with -100)."""
-    p = tok.encode(render(q), add_special_tokens=False)
+def encode_pair(tok, q, a, first=True):
+    """ids, labels (prompt masked with -100). Later turns of a conversation start with the
+    newline the chat template writes after the previous turn's <|im_end|>."""
+    p = tok.encode(("" if first else "\n") + render(q), add_special_tokens=False)
     r = tok.encode(a + "<|im_end|>", add_special_tokens=False)
     return p + r, [-100] * len(p) + r
+
+
+def conversations(enc, probs, n, rng, max_len=256):
+    """n multi-turn conversations of 2-3 exchanges drawn from the mixture, encoded as the
+    chat template renders them, the answers of every turn trained on: without them the
+    model has never seen a second user turn and answers it with noise."""
+    out = []
+    turns = rng.integers(2, 4, size=n)
+    picks = rng.choice(len(enc), size=int(turns.sum()), p=probs)
+    i = 0
+    for t in turns:
+        ids, lab = [], []
+        for j in range(t):
+            q_ids, q_lab = enc[picks[i + j]]
+            if j:  # the template's newline after the previous <|im_end|>, masked
+                ids, lab = ids + [NEWLINE_ID[0]], lab + [-100]
+            ids, lab = ids + q_ids, lab + q_lab
+        i += t
+        out.append((ids[:max_len], lab[:max_len]))
+    return out
+
+
+NEWLINE_ID = [None]  # token id of "\n", set once the tokenizer exists
 
 
 # ---------------------------------------------------------------- eval -------------
@@ -494,6 +518,12 @@ def main():
                     help="size of the common-word core (SemCor uses + occurrences in glosses)")
     ap.add_argument("--core-frac", type=float, default=0.6,
                     help="share of samples drawn from the core exchanges (rest: all training data)")
+    ap.add_argument("--multi-frac", type=float, default=0.25,
+                    help="share of samples that are conversations of 2-3 exchanges (second user turns)")
+    ap.add_argument("--resume", default=None,
+                    help="start from a raw checkpoint an earlier run saved (/tmp/default_model_ckpt.pt) "
+                         "instead of random weights; the tokenizer is retrained identically")
+    ap.add_argument("--warmup", type=int, default=200, help="learning-rate warm-up steps")
     ap.add_argument("--overlap-n", type=int, default=200, help="held-out definition questions to score")
     ap.add_argument("--bench", action="store_true", help="time 10 steps and exit")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -524,11 +554,16 @@ def main():
     pairs = train + core_ex
     enc = [encode_pair(tok, q, a) for q, a, _ in pairs]
     enc = [(i[:256], l[:256]) for i, l in enc]
-    ntok = np.array([len(i) for i, _ in enc])
     wg = np.array([w for _, _, w in train]); wc = np.array([w for _, _, w in core_ex])
     probs = np.concatenate([(1 - args.core_frac) * wg / wg.sum(), args.core_frac * wc / wc.sum()])
-    print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()}; core share {args.core_frac} "
-          f"({time.time()-t0:.0f}s)", flush=True)
+    if args.multi_frac > 0:  # conversations of 2-3 exchanges, a --multi-frac share of the samples
+        NEWLINE_ID[0] = tok.encode("\n", add_special_tokens=False)[0]
+        convs = conversations(enc, probs, 60000, np.random.default_rng(SEED + 7))
+        enc = enc + convs
+        probs = np.concatenate([(1 - args.multi_frac) * probs, np.full(len(convs), args.multi_frac / len(convs))])
+    ntok = np.array([len(i) for i, _ in enc])
+    print(f"train tokens/example mean={ntok.mean():.1f} max={ntok.max()}; core share {args.core_frac}, "
+          f"conversation share {args.multi_frac} ({time.time()-t0:.0f}s)", flush=True)
 
     config = AutoConfig.for_model(
         "qwen3_moe",
@@ -543,6 +578,9 @@ def main():
         bos_token_id=im_start, eos_token_id=im_end, pad_token_id=eot,
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if args.resume:
+        model.load_state_dict(torch.load(args.resume)["state_dict"])
+        print(f"resumed from {args.resume}", flush=True)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"params={nparams/1e6:.2f}M  config: hidden={args.hidden} layers={args.layers} "
           f"experts={args.experts} top2 moe_inter={args.moe_inter}", flush=True)
@@ -550,7 +588,7 @@ def main():
     np_rng = np.random.default_rng(SEED)
     sec0 = time.time()
     step, toks_seen = train_phase(model, config, enc, ntok, probs, args, args.minutes * 60.0, args.lr,
-                                  200, np_rng, eot, 0, 0)
+                                  args.warmup, np_rng, eot, 0, 0)
     train_secs = time.time() - sec0
     print(f"training done: {step} steps, {toks_seen} tokens, {train_secs/60:.1f} min", flush=True)
     save_and_eval(model, tok, config, args, nparams, data, step, toks_seen, train_secs, t0,

@@ -110,8 +110,8 @@ try {
   check(/RAM .*B/.test(await page.getByTestId('tierbar').textContent()), 'the tier bar shows RAM and disk bytes')
 
   // Stop: the Stop button ends the answer while it streams; the composer is usable again.
-  await throttle(page, 1500)
-  await page.getByTestId('chat-input').fill('Tell me a long story about a dog')
+  await throttle(page, 400)  // slow enough that a ~45-token answer is still streaming when Stop is clicked
+  await page.getByTestId('chat-input').fill("What does 'water' mean?")  // the built-in model's longest answer (~45 tokens)
   await page.getByTestId('send').click()
   await page.getByTestId('stop').waitFor()
   await page.waitForFunction(() => {
