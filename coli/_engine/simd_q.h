@@ -168,7 +168,7 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
-                float s = _mm512_reduce_add_ps(acc[i][j]) - (IS4 ? _mm512_reduce_add_ps(cor[i][j]) : 0.0f); \
+                float s = _mm512_reduce_add_ps(IS4 ? _mm512_sub_ps(acc[i][j], cor[i][j]) : acc[i][j]);    \
                 if (b < nb) { /* odd group count: the last group through the 256-bit tile */      \
                     coli_act one = *a;                                                             \
                     one.q += i * a->ldq + b * 32;                                                  \
