@@ -98,40 +98,7 @@ def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1
             int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs):
     """out[M, N] = x @ W.T (+ bias) for W in any format. For int8/int4, x is first quantized
     into the scratch xq (M, Kp) int8, xqd / xqs (M, Kp/32)."""
-    cdef int M = x.shape[0], K = x.shape[1], N = w.rows
-    cdef int nblocks = (N + ROW_BLOCK - 1) // ROW_BLOCK, b, n0, nb, m, n
-    cdef bint quant = w.fmt == COLI_Q8 or w.fmt == COLI_Q4
-    if K != w.cols or out.shape[0] != M or out.shape[1] != N:
-        raise ValueError(f"qlinear: x ({M}, {K}) W ({N}, {w.cols}) out ({out.shape[0]}, {out.shape[1]})")
-    if bias is not None and bias.shape[0] != N:
-        raise ValueError("qlinear: bias length != out features")
-    if quant and (xq.shape[0] < M or xq.shape[1] != padded(K) or xqd.shape[0] < M or xqs.shape[0] < M):
-        raise ValueError("qlinear: activation scratch too small")
-    if M == 0:
-        return
-    cdef coli_act a = _activations(&x[0, 0], K, NULL, NULL, NULL, 0, 0)
-    cdef const float *bp = &bias[0] if bias is not None else NULL
-    cdef float *Y = &out[0, 0]
-    if quant:
-        a = _activations(&x[0, 0], K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
-    cdef float *panels = NULL
-    if w.fmt == COLI_F32:  # the f32 path, with packed panels for many tokens
-        if M >= PANEL_MIN_ROWS:
-            panels = _panel_scratch(_panel_floats(M, K))
-        with nogil:
-            _linear(&x[0, 0], K, M, <const float *>w.m.w, N, K, Y, N, bp, panels)
-        return
-    with nogil:
-        if quant:
-            _quantize_rows(&x[0, 0], K, M, K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
-        for b in prange(nblocks, num_threads=_team(<long>M * K * N // 4), schedule='static'):
-            n0 = b * ROW_BLOCK
-            nb = N - n0 if N - n0 < ROW_BLOCK else ROW_BLOCK
-            coli_gemm_any(&a, M, &w.m, n0, nb, K, Y, N)
-            if bp != NULL:
-                for m in range(M):
-                    for n in range(nb):
-                        Y[m * N + n0 + n] += bp[n0 + n]
+    _qlinear_group(x, (w,), (out,), (bias,), xq, xqd, xqs)
 
 
 cdef enum:
@@ -144,6 +111,12 @@ def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
     input (q, k and v; gate and up): x is quantized (or packed into token panels) once, and
     the row blocks of all the matrices are spread over the threads in one parallel region.
     All matrices must share one format. Same results as one qlinear per matrix."""
+    _qlinear_group(x, mats, outs, biases, xq, xqd, xqs)
+
+
+cdef int _qlinear_group(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
+                        int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs) except -1:
+    """The body of qlinear (one matrix) and qlinear_many."""
     cdef int M = x.shape[0], K = x.shape[1], n = len(mats), i, b, n0, nb, m, c, total = 0
     cdef coli_mat ms[MAX_MANY]
     cdef float *Ys[MAX_MANY]
@@ -154,14 +127,14 @@ def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
     cdef const float[::1] bv
     cdef QMatrix w
     if not 0 < n <= MAX_MANY or len(outs) != n or len(biases) != n:
-        raise ValueError("qlinear_many: 1 to 8 matrices, one output and one bias (or None) each")
+        raise ValueError("qlinear: 1 to 8 matrices, one output and one bias (or None) each")
     cdef int fmt = (<QMatrix>mats[0]).fmt
     cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4
     for i in range(n):
         w = <QMatrix?>mats[i]
         o = outs[i]
         if w.fmt != fmt or w.cols != K or o.shape[0] != M or o.shape[1] != w.rows:
-            raise ValueError(f"qlinear_many: matrix {i} is {w.format} ({w.rows}, {w.cols}), x ({M}, {K}), "
+            raise ValueError(f"qlinear: matrix {i} is {w.format} ({w.rows}, {w.cols}), x ({M}, {K}), "
                              f"out ({o.shape[0]}, {o.shape[1]})")
         ms[i], Ns[i] = w.m, w.rows
         Ys[i] = &o[0, 0] if M > 0 else NULL
@@ -169,12 +142,12 @@ def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
         if biases[i] is not None:
             bv = biases[i]
             if bv.shape[0] != w.rows:
-                raise ValueError("qlinear_many: bias length != out features")
+                raise ValueError("qlinear: bias length != out features")
             Bs[i] = &bv[0]
     if quant and (xq.shape[0] < M or xq.shape[1] != padded(K) or xqd.shape[0] < M or xqs.shape[0] < M):
-        raise ValueError("qlinear_many: activation scratch too small")
+        raise ValueError("qlinear: activation scratch too small")
     if M == 0:
-        return
+        return 0
     cdef float *panels = NULL
     if fmt == COLI_F32 and M >= PANEL_MIN_ROWS:
         panels = _panel_scratch(_panel_floats(M, K))
@@ -206,6 +179,7 @@ def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
                 for m in range(M):
                     for c in range(nb):
                         Ys[i][m * Ns[i] + n0 + c] += Bs[i][n0 + c]
+    return 0
 
 
 cdef class ExpertTable:
