@@ -332,13 +332,7 @@ class StreamedExperts:
         waits for them. Experts for which no such slot is free are left to ``load``."""
         group = np.flatnonzero(active)
         protect = group if keep is None else np.concatenate([group, np.flatnonzero(keep)])
-        for e in group[self.slot_of[group] < 0]:
-            s = self._victim(protect, allow_pending=False)
-            if s < 0:
-                return
-            self._assign(int(e), s)
-            self.started.add(int(e))
-            self.pending[s] = self.store.submit(self.first + int(e), self.bufs[s])
+        self._read_ahead(group[self.slot_of[group] < 0], protect, self.started)
 
     def prefetch(self, idx: np.ndarray) -> None:
         """Start background reads of the experts ``idx`` names that are not resident.
@@ -348,14 +342,23 @@ class StreamedExperts:
         if not self.store.prefetch_enabled:
             return
         need = np.unique(idx)
-        for e in need[self.slot_of[need] < 0]:
-            s = self._victim(need, allow_pending=False, spare_recent=True)
+        self.store.stats.prefetch_issued += self._read_ahead(need[self.slot_of[need] < 0], need, self.prefetched,
+                                                             spare_recent=True)
+
+    def _read_ahead(self, experts: np.ndarray, keep: np.ndarray, mark: set[int], spare_recent: bool = False) -> int:
+        """Start background reads of ``experts`` (none resident) into slots that hold none
+        of ``keep``, until no such slot is free; ``mark`` records each one started. Returns
+        how many reads started."""
+        n = 0
+        for e in experts:
+            s = self._victim(keep, allow_pending=False, spare_recent=spare_recent)
             if s < 0:
-                return
+                break
             self._assign(int(e), s)
-            self.prefetched.add(int(e))
+            mark.add(int(e))
             self.pending[s] = self.store.submit(self.first + int(e), self.bufs[s])
-            self.store.stats.prefetch_issued += 1
+            n += 1
+        return n
 
 
 def parse_size(text: str) -> int:
