@@ -333,18 +333,18 @@ def wrap_tokenizer(tok):
     return fast
 
 
-def encode_pair(tok, q, a, first=True):
-    """ids, labels (prompt masked with -100). Later turns of a conversation start with the
-    newline the chat template writes after the previous turn's <|im_end|>."""
-    p = tok.encode(("" if first else "\n") + render(q), add_special_tokens=False)
+def encode_pair(tok, q, a):
+    """ids, labels (prompt masked with -100)."""
+    p = tok.encode(render(q), add_special_tokens=False)
     r = tok.encode(a + "<|im_end|>", add_special_tokens=False)
     return p + r, [-100] * len(p) + r
 
 
-def conversations(enc, probs, n, rng, max_len=256):
+def conversations(enc, probs, n, rng, newline_id, max_len=256):
     """n multi-turn conversations of 2-3 exchanges drawn from the mixture, encoded as the
-    chat template renders them, the answers of every turn trained on: without them the
-    model has never seen a second user turn and answers it with noise."""
+    chat template renders them (``newline_id``: the newline it writes after each
+    <|im_end|>), the answers of every turn trained on: without them the model has never
+    seen a second user turn and answers it with noise."""
     out = []
     turns = rng.integers(2, 4, size=n)
     picks = rng.choice(len(enc), size=int(turns.sum()), p=probs)
@@ -354,14 +354,11 @@ def conversations(enc, probs, n, rng, max_len=256):
         for j in range(t):
             q_ids, q_lab = enc[picks[i + j]]
             if j:  # the template's newline after the previous <|im_end|>, masked
-                ids, lab = ids + [NEWLINE_ID[0]], lab + [-100]
+                ids, lab = ids + [newline_id], lab + [-100]
             ids, lab = ids + q_ids, lab + q_lab
         i += t
         out.append((ids[:max_len], lab[:max_len]))
     return out
-
-
-NEWLINE_ID = [None]  # token id of "\n", set once the tokenizer exists
 
 
 # ---------------------------------------------------------------- eval -------------
@@ -557,8 +554,8 @@ def main():
     wg = np.array([w for _, _, w in train]); wc = np.array([w for _, _, w in core_ex])
     probs = np.concatenate([(1 - args.core_frac) * wg / wg.sum(), args.core_frac * wc / wc.sum()])
     if args.multi_frac > 0:  # conversations of 2-3 exchanges, a --multi-frac share of the samples
-        NEWLINE_ID[0] = tok.encode("\n", add_special_tokens=False)[0]
-        convs = conversations(enc, probs, 60000, np.random.default_rng(SEED + 7))
+        newline_id = tok.encode("\n", add_special_tokens=False)[0]
+        convs = conversations(enc, probs, 60000, np.random.default_rng(SEED + 7), newline_id)
         enc = enc + convs
         probs = np.concatenate([(1 - args.multi_frac) * probs, np.full(len(convs), args.multi_frac / len(convs))])
     ntok = np.array([len(i) for i, _ in enc])
