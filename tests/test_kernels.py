@@ -158,7 +158,7 @@ def test_moe_experts(M, E, k, H, I, act, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
-@pytest.mark.parametrize("M,N,K_", [(1, 5, 32), (3, 17, 64), (2, 9, 80), (5, 33, 100), (9, 20, 1024), (4, 8, 7), (6, 7, 160), (5, 6, 608), (2, 5, 1055)])
+@pytest.mark.parametrize("M,N,K_", [(1, 5, 32), (3, 17, 64), (2, 9, 80), (5, 33, 100), (9, 20, 1024), (4, 8, 7), (6, 7, 160), (5, 6, 608), (2, 5, 1055), (1, 4, 128), (1, 6, 704), (3, 11, 736)])
 def test_qlinear(fmt, M, N, K_):
     """Every format against its NumPy twin: same quantized operands, float64 accumulation."""
     x, w, b = rand(M, K_), rand(N, K_, scale=0.2), rand(N)

@@ -75,90 +75,68 @@ static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define COLI_Q512 1
-/* Two groups (64 weights) per step in 512-bit registers.
- * Q4: the 32 bytes of two groups unpack to [g0 lo | g1 lo | g0 hi | g1 hi] (128-bit lanes),
- *     so the activations' lanes are shuffled to the same order: [g0 a | g1 a | g0 b | g1 b].
- *     A lane's scale is that of its group: the pattern per 128-bit lane is (s0, s1, s0, s1).
- * Q8: weights and activations are both in natural order; the scale pattern is (s0, s0, s1, s1).
- * The signed x signed Q8 product runs on dpbusd (unsigned x signed) as |w| * (x with w's sign). */
-static inline __m512 coli_pair_scale(float a, float b, int q4) {
-    __m256 lo = _mm256_set1_ps(a), hi = _mm256_set1_ps(b);
-    if (q4) {
-        __m256 ab = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
-        return _mm512_insertf32x8(_mm512_castps256_ps512(ab), ab, 1);
-    }
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+/* The four horizontal sums of a, b, c and d, in one 128-bit vector (fewer shuffles than
+ * four separate reductions). */
+static inline __m128 coli_hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* 128-bit lanes: ab = (a0 + a2, a1 + a3, b0 + b2, b1 + b3), likewise cd */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* lanes: (a, b, c, d), each still 4 partial sums */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    /* sum within each 128-bit lane, then take element 0 of each */
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         12, 8, 4, 0), s));
 }
 
-static inline __m512i coli_pair_sum(int32_t a, int32_t b) {
-    __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(a)), _mm_set1_epi32(b), 1);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(ab), ab, 1);
+/* Lane l of a 16-float vector of group values: group c0 + 4 * s + (l >> 2) (Q4, step s of
+ * a chunk) or c0 + 2 * s + (l >> 3) (Q8). */
+static inline __m512i coli_lane_groups(int shift) {
+    return _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), shift);
 }
 
-static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(0x0F);
-    __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-#define COLI_QTILE512(NAME, IS4, MR, NR)                                                            \
+/* Q8 on AVX-512: two groups (64 weights) per step, weights and activations in natural
+ * order, so lanes 0-7 hold group b and lanes 8-15 group b + 1. The signed x signed product
+ * runs on dpbusd (unsigned x signed) as |w| * (x with w's sign). */
+#define COLI_Q8TILE512(NAME, MR, NR)                                                                \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
-        __m512 acc[MR][NR], cor[MR][NR]; /* cor: Q4's offset term, once per chunk (see below) */  \
+        __m512 acc[MR][NR];                                                                        \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
-        /* lane l of a step's vectors belongs to group 2s + pat[l] (see above) */                \
-        const __m512i pat = IS4 ? _mm512_and_si512(_mm512_srli_epi32(_mm512_set_epi32(             \
-                                      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2),   \
-                                                   _mm512_set1_epi32(1))                           \
-                                : _mm512_srli_epi32(_mm512_set_epi32(                              \
-                                      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);   \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                          \
+        const __m512i pat = coli_lane_groups(3);                                                   \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
             /* one chunk: up to 16 groups, their scales loaded once as vectors */                 \
             int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
             __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
-            __mmask16 ce = (__mmask16)((1u << (cn & ~1)) - 1u); /* the groups done in pairs here */ \
             __m512 wsv[NR], xsv[MR];                                                               \
             for (int j = 0; j < NR; j++)                                                           \
                 wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
-            for (int i = 0; i < MR; i++) {                                                         \
-                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
-                if (IS4) { /* sum over a group of (nibble - 8) * x = dot(nibble, x) - 8 * sum(x):  \
-                              the second part is 8 * qs * xd * wd per group, summed per chunk */   \
-                    __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(         \
-                                                  ce, a->qs + i * a->ldb + c0)), xsv[i]);          \
-                    xb = _mm512_mul_ps(xb, _mm512_set1_ps(8.0f));                                  \
-                    for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]); \
-                }                                                                                  \
-            }                                                                                      \
+            for (int i = 0; i < MR; i++) xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0); \
             if (MR == 1) /* one token: fold its scales into the weights' once per chunk */        \
                 for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
             for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
-                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
+                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));             \
                 __m512i w[NR];                                                                     \
                 __m512 ws[NR];                                                                     \
                 __mmask64 neg[NR];                                                                 \
                 /* the rows of the next tile, one cache line per row per step: they arrive      \
                    while this tile computes */                                                    \
                 for (int j = 0; j < NR; j++)                                                       \
-                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
+                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 32), _MM_HINT_T0);       \
                 for (int j = 0; j < NR; j++) {                                                     \
-                    if (IS4) {                                                                     \
-                        w[j] = coli_unpack_q4x2(wq + j * ldw + b * 16);                            \
-                    } else {                                                                       \
-                        __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));  \
-                        neg[j] = _mm512_movepi8_mask(raw);                                         \
-                        w[j] = _mm512_abs_epi8(raw);                                               \
-                    }                                                                              \
+                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));      \
+                    neg[j] = _mm512_movepi8_mask(raw);                                             \
+                    w[j] = _mm512_abs_epi8(raw);                                                   \
                     ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
                 }                                                                                  \
                 for (int i = 0; i < MR; i++) {                                                     \
                     __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));    \
-                    if (IS4) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));              \
                     __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
                     for (int j = 0; j < NR; j++) {                                                 \
-                        __m512i xx = IS4 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x); \
+                        __m512i xx = _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x);  \
                         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);         \
                         __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
                         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
@@ -168,18 +146,100 @@ static inline __m512i coli_unpack_q4x2(const uint8_t *p) {
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
-                float s = _mm512_reduce_add_ps(IS4 ? _mm512_sub_ps(acc[i][j], cor[i][j]) : acc[i][j]);    \
+                float s = _mm512_reduce_add_ps(acc[i][j]);                                         \
                 if (b < nb) { /* odd group count: the last group through the 256-bit tile */      \
+                    coli_act one = *a;                                                             \
+                    one.q += i * a->ldq + b * 32;                                                  \
+                    one.qd += i * a->ldb + b;                                                      \
+                    float t;                                                                       \
+                    NAME##_tail(&one, wq + j * ldw + b * 32, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
+                    s += t;                                                                        \
+                }                                                                                  \
+                Y[i * ldy + j] = s;                                                                \
+            }                                                                                      \
+    }
+
+/* Q4 on AVX-512: four groups (128 weights, 64 bytes of a row) per step. In one 64-byte
+ * load each 128-bit lane is one group's 16 bytes, so its low nibbles are that group's
+ * elements 0-15 and its high nibbles elements 16-31: two ands and a shift unpack 128
+ * weights, with no lane crossing. The activations are brought to the same order by two
+ * 128-bit lane shuffles per step, shared by the tile's rows (xlo: the first half of each
+ * of the four groups, xhi: the second halves), and both dpbusd go into one int32 vector
+ * whose lane l belongs to group b + l / 4, scaled by that group's weight (and activation)
+ * scale picked from the chunk's 16 scales. The offset of 8 is one correction per group,
+ * -8 * sum(x) * scales, summed per chunk into cor and subtracted once at the end. */
+#define COLI_Q4TILE512(NAME, MR, NR)                                                                \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        __m512 acc[MR][NR], cor[MR][NR];                                                           \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
+        const __m512i pat = coli_lane_groups(2), m4 = _mm512_set1_epi8(0x0F);                      \
+        int b = 0;                                                                                 \
+        for (int c0 = 0; c0 + 4 <= nb; c0 += 16) {                                                 \
+            int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
+            __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
+            __mmask16 ce = (__mmask16)((1u << (cn & ~3)) - 1u); /* the groups done in quads */    \
+            __m512 wsv[NR], xsv[MR];                                                               \
+            for (int j = 0; j < NR; j++)                                                           \
+                wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
+            for (int i = 0; i < MR; i++) {                                                         \
+                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
+                __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
+                                              ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
+                xb = _mm512_mul_ps(xb, _mm512_set1_ps(8.0f));                                      \
+                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
+            }                                                                                      \
+            if (MR == 1)                                                                           \
+                for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
+            for (b = c0; b + 4 <= c0 + cn; b += 4) {                                               \
+                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
+                __m512i lo[NR], hi[NR];                                                            \
+                __m512 ws[NR];                                                                     \
+                for (int j = 0; j < NR; j++)                                                       \
+                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);       \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 16));      \
+                    lo[j] = _mm512_and_si512(raw, m4);                                             \
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);                       \
+                    ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
+                }                                                                                  \
+                for (int i = 0; i < MR; i++) {                                                     \
+                    const int8_t *xp = a->q + i * a->ldq + b * 32;                                 \
+                    __m512i x01 = _mm512_loadu_si512((const void *)xp);                            \
+                    __m512i x23 = _mm512_loadu_si512((const void *)(xp + 64));                     \
+                    __m512i xlo = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));         \
+                    __m512i xhi = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));         \
+                    __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
+                    for (int j = 0; j < NR; j++) {                                                 \
+                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);       \
+                        d = _mm512_dpbusd_epi32(d, hi[j], xhi);                                    \
+                        __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            __m512 r[4];                                                                           \
+            float sums[4];                                                                         \
+            for (int j = 0; j < 4; j++)                                                            \
+                r[j] = j < NR ? _mm512_sub_ps(acc[i][j], cor[i][j]) : _mm512_setzero_ps();         \
+            _mm_storeu_ps(sums, coli_hsum4_512(r[0], r[1], r[2], r[3]));                           \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float s = sums[j];                                                                 \
+                if (b < nb) { /* the last nb % 4 groups through the 256-bit tile */                \
                     coli_act one = *a;                                                             \
                     one.q += i * a->ldq + b * 32;                                                  \
                     one.qd += i * a->ldb + b;                                                      \
                     one.qs += i * a->ldb + b;                                                      \
                     float t;                                                                       \
-                    NAME##_tail(&one, wq + j * ldw + b * (IS4 ? 16 : 32), wd + j * ldd + b, ldw, ldd, 1, &t, 1); \
+                    NAME##_tail(&one, wq + j * ldw + b * 16, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
                     s += t;                                                                        \
                 }                                                                                  \
-                Y[i * ldy + j] = s;                                                            \
+                Y[i * ldy + j] = s;                                                                \
             }                                                                                      \
+        }                                                                                          \
     }
 #endif
 
@@ -265,7 +325,9 @@ static inline float coli_hsum256(__m256 v) {
 #endif
 
 #if defined(COLI_Q512)
-#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512(NAME, IS4, MR, NR)
+#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512_##IS4(NAME, MR, NR)
+#define COLI_QTILE512_0(NAME, MR, NR) COLI_Q8TILE512(NAME, MR, NR)
+#define COLI_QTILE512_1(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR)
 #define COLI_QTILE_TAIL(NAME, IS4) COLI_QTILE(NAME##_t, IS4, 1, 1)                                 \
     static inline void NAME##_tail(const coli_act *a, const uint8_t *wq, const uint16_t *wd,       \
                                    long ldw, long ldd, int nb, float *Y, long ldy) {                \
