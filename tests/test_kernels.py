@@ -190,15 +190,20 @@ def test_embed_rows(fmt):
     np.testing.assert_allclose(out, dequantize(table)[ids] * 2.0, atol=1e-6)
 
 
-def test_quantize_rows_matches_twin():
+@pytest.mark.parametrize("M,K_", [(3, 70), (2, 256), (1, 1000)])
+def test_quantize_rows_matches_twin(M, K_):
+    """Whole groups (the SIMD path) and a partial last group; ties round to even; an
+    all-zero group quantizes to zeros with scale 0."""
     from coli.quant import quantize_activations
-    x = rand(3, 70, scale=4)
-    kp = K.padded(70)
-    q, d, s = np.empty((3, kp), np.int8), np.empty((3, kp // 32), np.float32), np.empty((3, kp // 32), np.int32)
+    x = rand(M, K_, scale=4)
+    x[0, :32] = np.concatenate([[-127.0], np.arange(31) - 14.5])  # scale 1: every other value is a tie
+    x[-1, 32:64] = 0.0
+    kp = K.padded(K_)
+    q, d, s = np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
     K.quantize_rows(x, q, d, s)
     rq, rd, rs = quantize_activations(x)
     np.testing.assert_array_equal(q, rq)
-    np.testing.assert_allclose(d, rd, rtol=1e-7)
+    np.testing.assert_array_equal(d, rd)
     np.testing.assert_array_equal(s, rs)
 
 
