@@ -112,67 +112,85 @@ static inline __m512i coli_lane_groups(int shift) {
     return _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), shift);
 }
 
+/* The end of a 512-bit tile: out = acc - cor, the NR row sums of each token in one
+ * transpose-reduce, plus the groups left after the last full step (nb % 2 for Q8, nb % 4
+ * for Q4, starting at group b) through the 256-bit tile; RB: bytes of a row per group. */
+#define COLI_QTILE512_END(NAME, MR, NR, RB)                                                               \
+        for (int i = 0; i < MR; i++) {                                                             \
+            __m512 r[4];                                                                           \
+            float sums[4];                                                                         \
+            for (int j = 0; j < 4; j++)                                                            \
+                r[j] = j < NR ? _mm512_sub_ps(acc[i][j], cor[i][j]) : _mm512_setzero_ps();         \
+            _mm_storeu_ps(sums, coli_hsum4_512(r[0], r[1], r[2], r[3]));                           \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float s = sums[j];                                                                 \
+                if (b < nb) {                                                                      \
+                    coli_act one = *a;                                                             \
+                    one.q += i * a->ldq + b * 32;                                                  \
+                    one.qd += i * a->ldb + b;                                                      \
+                    one.qs += i * a->ldb + b;                                                      \
+                    float t;                                                                       \
+                    NAME##_tail(&one, wq + j * ldw + b * (RB), wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
+                    s += t;                                                                        \
+                }                                                                                  \
+                Y[i * ldy + j] = s;                                                                \
+            }                                                                                      \
+        }
+
 /* Q8 on AVX-512: two groups (64 weights) per step, weights and activations in natural
- * order, so lanes 0-7 hold group b and lanes 8-15 group b + 1. The signed x signed product
- * runs on dpbusd (unsigned x signed) as |w| * (x with w's sign). */
+ * order, so lanes 0-7 hold group b and lanes 8-15 group b + 1. dpbusd multiplies unsigned
+ * by signed bytes, so the weights go in as w + 128 (one xor with 0x80): the products then
+ * carry 128 * sum(x) per group, which is taken out like Q4's offset, as one correction per
+ * group from the activations' group sums, summed per chunk into cor. */
 #define COLI_Q8TILE512(NAME, MR, NR)                                                                \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
-        __m512 acc[MR][NR];                                                                        \
+        __m512 acc[MR][NR], cor[MR][NR];                                                           \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                          \
-        const __m512i pat = coli_lane_groups(3);                                                   \
+            for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
+        const __m512i pat = coli_lane_groups(3), flip = _mm512_set1_epi8((char)0x80);              \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
             /* one chunk: up to 16 groups, their scales loaded once as vectors */                 \
             int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
             __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
+            __mmask16 ce = (__mmask16)((1u << (cn & ~1)) - 1u); /* the groups done in pairs */    \
             __m512 wsv[NR], xsv[MR];                                                               \
             for (int j = 0; j < NR; j++)                                                           \
                 wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
-            for (int i = 0; i < MR; i++) xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0); \
+            for (int i = 0; i < MR; i++) {                                                         \
+                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
+                __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
+                                              ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
+                xb = _mm512_mul_ps(xb, _mm512_set1_ps(128.0f));                                    \
+                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
+            }                                                                                      \
             if (MR == 1) /* one token: fold its scales into the weights' once per chunk */        \
                 for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
             for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
-                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));             \
+                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i w[NR];                                                                     \
                 __m512 ws[NR];                                                                     \
-                __mmask64 neg[NR];                                                                 \
                 /* the rows of the next tile, one cache line per row per step: they arrive      \
                    while this tile computes */                                                    \
                 for (int j = 0; j < NR; j++)                                                       \
                     _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 32), _MM_HINT_T0);       \
                 for (int j = 0; j < NR; j++) {                                                     \
-                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 32));      \
-                    neg[j] = _mm512_movepi8_mask(raw);                                             \
-                    w[j] = _mm512_abs_epi8(raw);                                                   \
+                    w[j] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wq + j * ldw + b * 32)), flip); \
                     ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
                 }                                                                                  \
                 for (int i = 0; i < MR; i++) {                                                     \
                     __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));    \
                     __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
                     for (int j = 0; j < NR; j++) {                                                 \
-                        __m512i xx = _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x);  \
-                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], xx);         \
+                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], x);          \
                         __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
                         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) {                                                         \
-                float s = _mm512_reduce_add_ps(acc[i][j]);                                         \
-                if (b < nb) { /* odd group count: the last group through the 256-bit tile */      \
-                    coli_act one = *a;                                                             \
-                    one.q += i * a->ldq + b * 32;                                                  \
-                    one.qd += i * a->ldb + b;                                                      \
-                    float t;                                                                       \
-                    NAME##_tail(&one, wq + j * ldw + b * 32, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
-                    s += t;                                                                        \
-                }                                                                                  \
-                Y[i * ldy + j] = s;                                                                \
-            }                                                                                      \
+        COLI_QTILE512_END(NAME, MR, NR, 32)                                                          \
     }
 
 /* Q4 on AVX-512: four groups (128 weights, 64 bytes of a row) per step. In one 64-byte
@@ -236,26 +254,7 @@ static inline __m512i coli_lane_groups(int shift) {
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            __m512 r[4];                                                                           \
-            float sums[4];                                                                         \
-            for (int j = 0; j < 4; j++)                                                            \
-                r[j] = j < NR ? _mm512_sub_ps(acc[i][j], cor[i][j]) : _mm512_setzero_ps();         \
-            _mm_storeu_ps(sums, coli_hsum4_512(r[0], r[1], r[2], r[3]));                           \
-            for (int j = 0; j < NR; j++) {                                                         \
-                float s = sums[j];                                                                 \
-                if (b < nb) { /* the last nb % 4 groups through the 256-bit tile */                \
-                    coli_act one = *a;                                                             \
-                    one.q += i * a->ldq + b * 32;                                                  \
-                    one.qd += i * a->ldb + b;                                                      \
-                    one.qs += i * a->ldb + b;                                                      \
-                    float t;                                                                       \
-                    NAME##_tail(&one, wq + j * ldw + b * 16, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
-                    s += t;                                                                        \
-                }                                                                                  \
-                Y[i * ldy + j] = s;                                                                \
-            }                                                                                      \
-        }                                                                                          \
+        COLI_QTILE512_END(NAME, MR, NR, 16)                                                          \
     }
 #endif
 
