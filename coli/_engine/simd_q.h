@@ -283,6 +283,77 @@ static inline float coli_hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* 8 int32 lanes of sum(u1 * s1) + sum(u2 * s2), u bytes at most 15 (int4 nibbles, so
+ * that the int16 sums of maddubs cannot saturate on plain AVX2). */
+static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#else
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+
+/* Q4 on AVX2: two groups (one 32-byte load of a row) per step, one group per 128-bit lane,
+ * so an and and a shift unpack 64 weights (low nibbles: elements 0-15 of each group, high
+ * nibbles 16-31) and the activations are brought into the same order by two lane
+ * permutes per token that all rows share; lanes 0-3 then belong to group b and 4-7 to
+ * group b + 1, and each lane takes 2 * (group sum of x) off for the offset of 8. An odd
+ * last group goes through the one-group tile. */
+#define COLI_Q4TILE256(NAME, MR, NR)                                                                \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        __m256 acc[MR][NR];                                                                        \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                          \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
+        int b = 0;                                                                                 \
+        for (; b + 2 <= nb; b += 2) {                                                              \
+            __m256i lo[NR], hi[NR];                                                                \
+            __m256 ws[NR];                                                                         \
+            for (int j = 0; j < NR; j++)                                                           \
+                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);           \
+            for (int j = 0; j < NR; j++) {                                                         \
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 16));        \
+                lo[j] = _mm256_and_si256(raw, m4);                                                 \
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                           \
+                ws[j] = _mm256_set_m128(_mm_set1_ps(coli_f16_to_f32(wd[j * ldd + b + 1])),         \
+                                        _mm_set1_ps(coli_f16_to_f32(wd[j * ldd + b])));            \
+            }                                                                                      \
+            for (int i = 0; i < MR; i++) {                                                         \
+                const int8_t *xp = a->q + i * a->ldq + b * 32;                                     \
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                              \
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));                       \
+                __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);                             \
+                __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);                             \
+                const float *xd = a->qd + i * a->ldb + b;                                          \
+                const int32_t *xs = a->qs + i * a->ldb + b;                                        \
+                __m256 xsc = _mm256_set_m128(_mm_set1_ps(xd[1]), _mm_set1_ps(xd[0]));              \
+                __m256i off = _mm256_set_m128i(_mm_set1_epi32(2 * xs[1]), _mm_set1_epi32(2 * xs[0])); \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m256i d = _mm256_sub_epi32(coli_dot2_u4s8(lo[j], xlo, hi[j], xhi), off);     \
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[j], xsc), acc[i][j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float s = coli_hsum256(acc[i][j]);                                                 \
+                if (b < nb) {                                                                      \
+                    coli_act one = *a;                                                             \
+                    one.q += i * a->ldq + b * 32;                                                  \
+                    one.qd += i * a->ldb + b;                                                      \
+                    one.qs += i * a->ldb + b;                                                      \
+                    float t;                                                                       \
+                    NAME##_tail(&one, wq + j * ldw + b * 16, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
+                    s += t;                                                                        \
+                }                                                                                  \
+                Y[i * ldy + j] = s;                                                                \
+            }                                                                                      \
+    }
+
 /* MR tokens x NR rows of a quantized GEMM; Q4 when IS4, else Q8. */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
@@ -339,17 +410,26 @@ static inline float coli_hsum256(__m256 v) {
     }
 #endif
 
+/* Which tile computes a block: COLI_QTILE_MAIN(NAME, IS4, MR, NR) defines NAME_MRxNR, and
+ * NAME_tail is the one-group-at-a-time tile the wide ones hand their last groups to. */
 #if defined(COLI_Q512)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512_##IS4(NAME, MR, NR)
 #define COLI_QTILE512_0(NAME, MR, NR) COLI_Q8TILE512(NAME, MR, NR)
 #define COLI_QTILE512_1(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR)
+#elif defined(__AVX2__)
+#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
+#define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
+#define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR)
+#else
+#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
+#endif
+#if defined(__AVX2__)
 #define COLI_QTILE_TAIL(NAME, IS4) COLI_QTILE(NAME##_t, IS4, 1, 1)                                 \
     static inline void NAME##_tail(const coli_act *a, const uint8_t *wq, const uint16_t *wd,       \
                                    long ldw, long ldd, int nb, float *Y, long ldy) {                \
         NAME##_t_1x1(a, wq, wd, ldw, ldd, nb, Y, ldy);                                             \
     }
 #else
-#define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
 #define COLI_QTILE_TAIL(NAME, IS4)
 #endif
 
