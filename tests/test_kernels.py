@@ -293,6 +293,24 @@ def test_head_matmul(M, nh, a, b):
     np.testing.assert_allclose(out, R.head_matmul(x, w), **TOL)
 
 
+@pytest.mark.parametrize("nh,nkv,hd", [(2, 1, 64), (8, 2, 128), (6, 3, 72), (5, 5, 40)])
+def test_attention_threads_bit_identical(nh, nkv, hd):
+    """One row split into head ranges (2 threads) or not (1 thread): the same bits, whether a
+    misaligned KV group is read directly (a lone head) or realigned first (several heads)."""
+    cap, pos = 50, np.array([49], np.int32)
+    kc, vc = at_offset((cap, nkv * hd), 4), at_offset((cap, nkv * hd), 8)
+    kc[:], vc[:] = rand(cap, nkv * hd), rand(cap, nkv * hd)
+    kptr, vptr = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
+    q = rand(1, nh * hd)
+    outs = []
+    for t in (1, 2):
+        K.set_num_threads(t)
+        out = np.empty((1, nh * hd), np.float32)
+        K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("nh,hd,vd", [(4, 24, 16), (16, 40, 32), (5, 576, 512)])
 def test_attention_values_inside_key_rows(nh, hd, vd):
     """MLA: one shared latent head; values are the first v dims of each key row (v_stride)."""
