@@ -83,31 +83,101 @@ def test_rope(nh, hd, rot):
     np.testing.assert_allclose(x, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("nh,nkv,hd,vd", [(4, 2, 8, 8), (3, 3, 17, 17), (6, 1, 33, 20)])
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 5.0)])
+def at_offset(shape, off):
+    """A float32 array whose data starts off floats past a 64-byte boundary (the attention
+    kernel reads misaligned cache rows differently from aligned ones)."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 32, np.float32)
+    start = (off - raw.ctypes.data // 4) % 16
+    return raw[start : start + n].reshape(shape)
+
+
+# head dims around the SIMD widths (8 / 16 floats) and the 8-vector register chunks (128)
+ATT_DIMS = [(4, 2, 8, 8), (3, 3, 17, 17), (6, 1, 33, 20), (4, 2, 72, 72), (2, 1, 80, 80), (8, 2, 96, 96),
+            (3, 1, 200, 200), (4, 4, 128, 128), (8, 2, 136, 264), (2, 1, 256, 256)]
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd", ATT_DIMS)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (20, 0.0), (0, 5.0)])
 def test_attention_and_kv_write(nh, nkv, hd, vd, window, softcap):
-    """Rows from two sequences of different lengths, each attending its own cache."""
-    caps = [9, 14]
-    kc = [np.zeros((c, nkv * hd), np.float32) for c in caps]  # (cap, nkv*hd) per sequence
-    vc = [np.zeros((c, nkv * vd), np.float32) for c in caps]
-    seq = np.array([0, 0, 1, 1, 1], np.int64)
-    pos = np.array([7, 8, 0, 5, 13], np.int32)
+    """Rows from two sequences of different lengths, each attending its own cache; contexts
+    on both sides of the key-block boundaries (blocks of 8 or 16 keys). One cache is 64-byte
+    aligned, the other not."""
+    caps = [9, 301]
+    kc = [at_offset((c, nkv * hd), off) for c, off in zip(caps, (0, 4))]  # (cap, nkv*hd) per sequence
+    vc = [at_offset((c, nkv * vd), off) for c, off in zip(caps, (0, 12))]
+    seq = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1], np.int64)
+    pos = np.array([7, 8, 0, 14, 15, 16, 32, 5, 300], np.int32)
     for c in range(2):  # fill the history the new rows attend to
         kc[c][:] = rand(caps[c], nkv * hd)
         vc[c][:] = rand(caps[c], nkv * vd)
+    M = len(pos)
     kptr = np.array([kc[s].ctypes.data for s in seq], np.int64)
     vptr = np.array([vc[s].ctypes.data for s in seq], np.int64)
-    k_new, v_new = rand(5, nkv * hd), rand(5, nkv * vd)
+    k_new, v_new = rand(M, nkv * hd), rand(M, nkv * vd)
     K.kv_write(k_new, v_new, kptr, vptr, pos)
-    for m in range(5):
+    for m in range(M):
         np.testing.assert_array_equal(kc[seq[m]][pos[m]], k_new[m])
         np.testing.assert_array_equal(vc[seq[m]][pos[m]], v_new[m])
-    q = rand(5, nh * hd)
-    out = np.empty((5, nh * vd), np.float32)
+    q = rand(M, nh * hd)
+    out = np.empty((M, nh * vd), np.float32)
     K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, vd, hd ** -0.5, window, softcap)
     ks = [kc[s].reshape(-1, nkv, hd) for s in seq]
     vs = [vc[s].reshape(-1, nkv, vd) for s in seq]
     np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, hd ** -0.5, window, softcap), **TOL)
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 64), (8, 2, 128), (6, 1, 40)])
+def test_attention_wide_score_range(nh, nkv, hd):
+    """Scores spread over hundreds: most probabilities underflow to 0 (the vectorized exp
+    flushes below ~1e-38), the running maximum jumps between blocks, nothing gives NaN. Small
+    integer q and k make every score exact in float32, so only the exp and the sums differ
+    from the float64 reference."""
+    cap = 200
+    kc = RNG.integers(-3, 4, (cap, nkv * hd)).astype(np.float32)
+    kc[::7] *= 2.0  # a few keys far above / below the rest
+    vc = rand(cap, nkv * hd)
+    pos = np.array([0, 15, 16, 99, 199], np.int32)
+    M = len(pos)
+    kptr = np.full(M, kc.ctypes.data, np.int64)
+    vptr = np.full(M, vc.ctypes.data, np.int64)
+    q = RNG.integers(-3, 4, (M, nh * hd)).astype(np.float32)
+    out = np.empty((M, nh * hd), np.float32)
+    K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 1.0)
+    ks = [kc.reshape(cap, nkv, hd)] * M
+    vs = [vc.reshape(cap, nkv, hd)] * M
+    s = np.einsum("mhd,jhd->mhj", q.reshape(M, nkv, -1, hd)[:, :, 0], kc.reshape(cap, nkv, hd))
+    assert np.ptp(s) > 200  # the test does cover a wide range
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, nkv, hd, hd, 1.0), **TOL)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(4, 1, 64, 64, 0), (8, 2, 72, 72, 0), (8, 2, 128, 96, 0),
+                                                   (6, 1, 48, 32, 48), (8, 1, 576, 512, 576)])
+def test_attention_does_not_depend_on_alignment(nh, nkv, hd, vd, v_stride):
+    """The same cache at every float offset from a 64-byte boundary gives bit-identical results
+    (misaligned rows shared by several heads are realigned before use)."""
+    cap, pos = 40, np.array([0, 17, 39], np.int32)
+    kw = v_stride if v_stride else nkv * hd
+    k0, v0 = rand(cap, kw), rand(cap, nkv * vd)
+    q = rand(len(pos), nh * hd)
+    outs = []
+    for off in range(16):
+        kc = at_offset(k0.shape, off)
+        kc[:] = k0
+        vc = kc if v_stride else at_offset(v0.shape, (off * 7) % 16)
+        if not v_stride:
+            vc[:] = v0
+        kptr = np.full(len(pos), kc.ctypes.data, np.int64)
+        vptr = np.full(len(pos), vc.ctypes.data, np.int64)
+        out = np.empty((len(pos), nh * vd), np.float32)
+        K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, vd, 0.1, 0, 0.0, v_stride)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    ks = [k0[:, : nkv * hd].reshape(cap, nkv, hd)] * len(pos)
+    vs = [(k0[:, :vd] if v_stride else v0).reshape(cap, nkv, vd)] * len(pos)
+    np.testing.assert_allclose(outs[0], R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.1), **TOL)
 
 
 @pytest.mark.parametrize("M,E,k", [(1, 4, 1), (7, 8, 2), (5, 33, 4)])
@@ -228,17 +298,37 @@ def test_head_matmul(M, nh, a, b):
     np.testing.assert_allclose(out, R.head_matmul(x, w), **TOL)
 
 
-def test_attention_values_inside_key_rows():
+@pytest.mark.parametrize("nh,nkv,hd", [(2, 1, 64), (8, 2, 128), (6, 3, 72), (5, 5, 40)])
+def test_attention_threads_bit_identical(nh, nkv, hd):
+    """One row split into head ranges (2 threads) or not (1 thread): the same bits, whether a
+    misaligned KV group is read directly (a lone head) or realigned first (several heads)."""
+    cap, pos = 50, np.array([49], np.int32)
+    kc, vc = at_offset((cap, nkv * hd), 4), at_offset((cap, nkv * hd), 8)
+    kc[:], vc[:] = rand(cap, nkv * hd), rand(cap, nkv * hd)
+    kptr, vptr = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
+    q = rand(1, nh * hd)
+    outs = []
+    for t in (1, 2):
+        K.set_num_threads(t)
+        out = np.empty((1, nh * hd), np.float32)
+        K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("nh,hd,vd", [(4, 24, 16), (16, 40, 32), (5, 576, 512)])
+def test_attention_values_inside_key_rows(nh, hd, vd):
     """MLA: one shared latent head; values are the first v dims of each key row (v_stride)."""
-    nh, hd, vd, cap = 4, 24, 16, 10
-    cache = rand(cap, hd)  # (cap, 1 kv head, hd)
-    pos = np.array([3, 9], np.int32)
-    ptr = np.array([cache.ctypes.data] * 2, np.int64)
-    q = rand(2, nh * hd)
-    out = np.empty((2, nh * vd), np.float32)
+    cap = 40
+    cache = at_offset((cap, hd), 4)  # (cap, 1 kv head, hd)
+    cache[:] = rand(cap, hd)
+    pos = np.array([3, 9, 16, 39], np.int32)
+    ptr = np.array([cache.ctypes.data] * len(pos), np.int64)
+    q = rand(len(pos), nh * hd)
+    out = np.empty((len(pos), nh * vd), np.float32)
     K.attention(q, ptr, ptr, pos, out, nh, 1, hd, vd, 0.3, 0, 0.0, hd)
-    ks = [cache.reshape(cap, 1, hd)] * 2
-    vs = [cache[:, :vd].reshape(cap, 1, vd)] * 2
+    ks = [cache.reshape(cap, 1, hd)] * len(pos)
+    vs = [cache[:, :vd].reshape(cap, 1, vd)] * len(pos)
     np.testing.assert_allclose(out, R.attention(q, ks, vs, pos, nh, 1, hd, vd, 0.3), **TOL)
 
 

@@ -23,8 +23,8 @@ cdef extern from "simd.h" nogil:
     const char *coli_simd_name()
     float coli_dot(const float *a, const float *b, int K)
     void coli_scale_add(float *y, float a, const float *x, float b, int n)
-    void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int j0, int j1,
-                     int hd, int vd, float scale, float softcap, float *o)
+    void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
+                     int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
     float coli_silu(float x)
@@ -262,8 +262,14 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
     v_stride floats apart (MLA reads its values from the leading part of its key rows);
     row m attends positions
     [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when window <= 0).
-    Online softmax over blocks of 32 keys (coli_attend): nothing allocated."""
-    cdef int M = q.shape[0], group, idx, m, h, g, start
+
+    Work items are (row, range of heads): coli_attend walks the keys in blocks, each block
+    across all heads of the range, so the cache rows are read front to back and a GQA group's
+    heads share them in L1. A row is split into as many head ranges as balance the threads
+    (t / gcd(M, t) of them: one range per row once M is a multiple of t), at KV-group
+    boundaries when the groups divide evenly. Each head's arithmetic is the same however heads
+    are split, so results do not depend on the thread count. Online softmax: nothing allocated."""
+    cdef int M = q.shape[0], group, nr, a, b, idx, m, i, h0, h1, start
     cdef const float *K
     cdef const float *V
     if n_kv_heads <= 0 or n_heads % n_kv_heads != 0:
@@ -272,19 +278,30 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
         raise ValueError("attention: shape mismatch")
     if kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
         raise ValueError("attention: shape mismatch")
+    if M == 0:
+        return
     group = n_heads // n_kv_heads
+    a, b = _nthreads, M  # head ranges per row: threads / gcd(M, threads)
+    while b:
+        a, b = b, a % b
+    nr = min(_nthreads // a, n_heads)
     cdef long vs = v_stride if v_stride > 0 else n_kv_heads * v_head_dim
-    for idx in prange(M * n_heads, nogil=True, num_threads=_nthreads, schedule='static'):
-        m = idx // n_heads
-        h = idx - m * n_heads
-        g = h // group
+    for idx in prange(M * nr, nogil=True, num_threads=_nthreads, schedule='static'):
+        m = idx // nr
+        i = idx - m * nr
+        if n_kv_heads % nr == 0:  # whole KV groups per range
+            h0 = (n_kv_heads * i // nr) * group
+            h1 = (n_kv_heads * (i + 1) // nr) * group
+        else:
+            h0 = n_heads * i // nr
+            h1 = n_heads * (i + 1) // nr
         K = <const float *>kptr[m]
         V = <const float *>vptr[m]
         start = 0
         if window > 0 and pos[m] - window + 1 > 0:
             start = pos[m] - window + 1
-        coli_attend(&q[m, h * head_dim], K + g * head_dim, n_kv_heads * head_dim, V + g * v_head_dim, vs,
-                    start, pos[m] + 1, head_dim, v_head_dim, scale, softcap, &out[m, h * v_head_dim])
+        coli_attend(&q[m, 0], K, n_kv_heads * head_dim, V, vs, h0, h1, group, start, pos[m] + 1,
+                    head_dim, v_head_dim, scale, softcap, &out[m, 0])
 
 
 # ---------------------------------------------------------------- mixture of experts

@@ -153,35 +153,344 @@ static inline void coli_gemm_nt(const float *X, long ldx, int M, const float *W,
     }
 }
 
-/* One query row of one head against keys [j0, j1): o = softmax(scale * q.K) V.
- * Keys go in blocks of 32: the block's scores first, then one rescale of the running
- * output if the block raised the maximum, then the weighted value rows. */
-static inline void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int j0, int j1,
-                               int hd, int vd, float scale, float softcap, float *o) {
-    float sc[32], mx = -INFINITY, l = 0.0f;
-    memset(o, 0, vd * sizeof(float));
-    for (int b = j0; b < j1; b += 32) {
-        int n = j1 - b < 32 ? j1 - b : 32;
-        float bm = -INFINITY;
+/* ---- decode attention ------------------------------------------------------------------
+ * coli_attend: the query heads [h0, h1) of one row against keys [j0, j1) of its cache.
+ * Keys are taken in blocks of CV_W (16 with AVX-512, 8 with AVX2, 1 in the scalar build);
+ * the block loop is outside the head loop, so a block's rows are read front to back across
+ * all the heads of the call (and a GQA group's heads find their K / V rows in L1). Per
+ * block and head:
+ *   scores  one accumulator vector per key (q . k lane-wise, no horizontal sum); a
+ *           transpose-and-add tree (cv_sum_lanes) turns the CV_W accumulators into ONE
+ *           vector whose lane i is the score of key i;
+ *   softmax online: running max and sum per head; the block's probabilities come from a
+ *           vectorized exp (cv_exp) of the whole score vector; the output is rescaled only
+ *           when the block raised the maximum;
+ *   P . V   the output is walked in chunks of up to 8 vectors held in registers across all
+ *           keys of the block (one load and one store of the output per block, not per key).
+ * Each head's arithmetic does not depend on which other heads share the call, so results
+ * do not depend on how callers split heads across threads. */
+
+#define COLI_ATT_H 32 /* heads whose softmax state one pass over the keys keeps */
+
+/* exp(x) = 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 (two-constant Cody-Waite,
+ * |r| <= ln2 / 2), e^r = 1 + r + r^2 P(r) with P a degree-4 fit of relative error ~3e-9 (well
+ * under float32 rounding): results within ~1 ulp of expf down to ~1e-38, below which they are
+ * flushed to 0 (no denormals: see below). x = -inf gives 0, NaN gives NaN. */
+#define COLI_EXP_POLY(r)                                                                        \
+    cv_fma(cv_mul(r, r),                                                                        \
+           cv_fma(cv_fma(cv_fma(cv_fma(cv_set1(1.381473383e-3f), r, cv_set1(8.368710056e-3f)), r, \
+                                cv_set1(4.166838527e-2f)), r, cv_set1(1.666652113e-1f)), r,      \
+                  cv_set1(4.999999404e-1f)),                                                     \
+           cv_add(r, cv_set1(1.0f)))
+
+/* Per-ISA helpers: tail loads / stores (the first n < CV_W floats), horizontal max, lane
+ * mask, exp, the transpose-add tree, and (AVX-512) the realigned staging of rows. */
+#if defined(__AVX512F__)
+#define cv_add(a, b) _mm512_add_ps(a, b)
+#define cv_sub(a, b) _mm512_sub_ps(a, b)
+static inline __mmask16 cv_tailmask(int n) { return (__mmask16)((1u << n) - 1u); }
+static inline cv_t cv_loadn(const float *p, int n) { return _mm512_maskz_loadu_ps(cv_tailmask(n), p); }
+static inline void cv_storen(float *p, cv_t v, int n) { _mm512_mask_storeu_ps(p, cv_tailmask(n), v); }
+static inline float cv_hmax(cv_t v) { return _mm512_reduce_max_ps(v); }
+static inline float cv_first(cv_t v) { return _mm512_cvtss_f32(v); }
+/* lanes >= n replaced by fill */
+static inline cv_t cv_keep(cv_t v, int n, float fill) {
+    return _mm512_mask_blend_ps(cv_tailmask(n), _mm512_set1_ps(fill), v);
+}
+/* 2^n applied by vscalefps. Results below e^-87 (~1.6e-38) are flushed to 0: a denormal
+ * result costs a microcode assist (hundreds of cycles), and the masked lanes of a block's
+ * last keys (-inf) would produce one every block. */
+static inline cv_t cv_exp(cv_t x) {
+    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ); /* NaN kept */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x); /* e^89 overflows to inf; +inf would give NaN */
+    cv_t n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    cv_t r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    return _mm512_maskz_scalef_ps(keep, COLI_EXP_POLY(r), n);
+}
+/* One level of the tree: lanes whose bit s is clear get a[l] + a[l ^ s], the others
+ * b[l] + b[l ^ s] (a blend and a two-source permute). */
+static inline cv_t coli_tr_add(cv_t a, cv_t b, __mmask16 m, __m512i idx) {
+    return _mm512_add_ps(_mm512_mask_blend_ps(m, a, b), _mm512_permutex2var_ps(a, idx, b));
+}
+/* lane i of the result = sum of the lanes of a[i]: levels s = 8, 4, 2, 1 pair a[i] with
+ * a[i + s], so key i ends in the lane whose bits are i's bits. */
+static inline cv_t cv_sum_lanes(const cv_t *a) {
+    const __m512i i8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i i4 = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+    const __m512i i2 = _mm512_setr_epi32(2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29);
+    const __m512i i1 = _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+    cv_t t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) t[i] = coli_tr_add(a[i], a[i + 8], 0xFF00, i8);
+    for (int i = 0; i < 4; i++) u[i] = coli_tr_add(t[i], t[i + 4], 0xF0F0, i4);
+    for (int i = 0; i < 2; i++) v[i] = coli_tr_add(u[i], u[i + 2], 0xCCCC, i2);
+    return coli_tr_add(v[0], v[1], 0xAAAA, i1);
+}
+/* Realigned staging. KV caches are rarely 64-byte aligned (NumPy's large arrays sit 16
+ * bytes past a page), and zmm loads that straddle two cache lines read a stream of K / V rows
+ * from L2 at about half the rate. When several query heads read a KV head's block of rows
+ * that sits s floats past a 64-byte boundary (s > 0), the block is first copied to an aligned
+ * buffer reading aligned lines only: vector v of a row is lanes s..15 of line v and lanes
+ * 0..s-1 of line v+1 (one vpermt2ps), exactly the floats an unaligned load gives, so results
+ * do not depend on the alignment. Line v+1 of a row's last full vector holds that vector's
+ * last floats: no line outside the row is read. The last partial vector (d % 16 floats) takes
+ * a masked load; buffer rows are zero-padded. A single head reads misaligned rows directly:
+ * the permutes and the copy cost it more than the split loads they avoid. */
+#define COLI_REALIGN 1
+static inline void coli_stage_rows(const float *R, long rs, int n, int d, int s, float *B, long ld) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(s));
+    int nv = d / 16, t = d - nv * 16;
+    for (int i = 0; i < n; i++) {
+        const float *a = R + (long)i * rs - s;
+        float *o = B + (long)i * ld;
+        for (int v = 0; v < nv; v++)
+            _mm512_store_ps(o + v * 16, _mm512_permutex2var_ps(_mm512_load_ps(a + v * 16), idx,
+                                                               _mm512_load_ps(a + v * 16 + 16)));
+        if (t) _mm512_store_ps(o + nv * 16, cv_loadn(a + s + nv * 16, t));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define cv_add(a, b) _mm256_add_ps(a, b)
+#define cv_sub(a, b) _mm256_sub_ps(a, b)
+static inline __m256i cv_tailmask(int n) {
+    static const int32_t t[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256((const __m256i *)(t + 8 - n));
+}
+static inline cv_t cv_loadn(const float *p, int n) { return _mm256_maskload_ps(p, cv_tailmask(n)); }
+static inline void cv_storen(float *p, cv_t v, int n) { _mm256_maskstore_ps(p, cv_tailmask(n), v); }
+static inline float cv_hmax(cv_t v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline float cv_first(cv_t v) { return _mm256_cvtss_f32(v); }
+static inline cv_t cv_keep(cv_t v, int n, float fill) {
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(cv_tailmask(n)));
+}
+/* 2^n built in the exponent field: results below e^-86.6 (~2e-38) are flushed to 0 (n stays
+ * >= -125) and 2^n is applied as 2^(n-1) * 2 (n = 128 stays finite). */
+static inline cv_t cv_exp(cv_t x) {
+    cv_t keep = _mm256_cmp_ps(x, _mm256_set1_ps(-86.6f), _CMP_NLT_UQ); /* NaN kept */
+    x = _mm256_max_ps(_mm256_set1_ps(-86.6f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
+    cv_t n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    cv_t r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    cv_t y = _mm256_mul_ps(_mm256_mul_ps(COLI_EXP_POLY(r), _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
+    return _mm256_and_ps(y, keep);
+}
+/* lane i of the result = sum of the lanes of a[i]: two levels of hadd leave keys 0-3 (4-7)
+ * in both 128-bit halves of g0 (g1); adding the halves finishes. */
+static inline cv_t cv_sum_lanes(const cv_t *a) {
+    cv_t g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    cv_t g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+#else
+#define cv_add(a, b) ((a) + (b))
+#define cv_sub(a, b) ((a) - (b))
+static inline cv_t cv_loadn(const float *p, int n) { return n > 0 ? *p : 0.0f; }
+static inline void cv_storen(float *p, cv_t v, int n) {
+    if (n > 0) *p = v;
+}
+static inline float cv_hmax(cv_t v) { return v; }
+static inline float cv_first(cv_t v) { return v; }
+static inline cv_t cv_keep(cv_t v, int n, float fill) { return n > 0 ? v : fill; }
+static inline cv_t cv_exp(cv_t x) { return expf(x); }
+static inline cv_t cv_sum_lanes(const cv_t *a) { return a[0]; }
+#endif
+#ifndef COLI_REALIGN
+#define COLI_REALIGN 0
+static inline void coli_stage_rows(const float *R, long rs, int n, int d, int s, float *B, long ld) {
+    (void)R, (void)rs, (void)n, (void)d, (void)s, (void)B, (void)ld;
+}
+#endif
+#define COLI_STAGE_LD 576 /* widest row (floats) that is staged; MLA's 512 + 64 */
+
+/* Floats past a 64-byte boundary of the rows p + j*stride when that is the same for every
+ * row, not 0, and the rows fit the staging buffer (such blocks are staged); 0 otherwise. */
+static inline int coli_row_shift(const float *p, long stride, int d) {
+    if (!COLI_REALIGN || stride % 16 != 0 || d > COLI_STAGE_LD || (uintptr_t)p % sizeof(float)) return 0;
+    return (int)(((uintptr_t)p / sizeof(float)) % 16);
+}
+
+/* acc[i] (+)= q[0 : NV*CV_W] * K_i[same] lane-wise for the keys K_i = K + i*ks, i < n. NV is
+ * a literal at every call site, so the query vectors stay in registers while the keys stream
+ * past. */
+#define COLI_QK(NV)                                                                                \
+    static inline void coli_qk_##NV(const float *q, const float *K, long ks, int n, cv_t *acc, int add) { \
+        cv_t qv[NV];                                                                               \
+        for (int v = 0; v < NV; v++) qv[v] = cv_load(q + v * CV_W);                                \
+        for (int i = 0; i < n; i++, K += ks) {                                                     \
+            cv_t a = add ? acc[i] : cv_zero();                                                     \
+            for (int v = 0; v < NV; v++) a = cv_fma(qv[v], cv_load(K + v * CV_W), a);             \
+            acc[i] = a;                                                                            \
+        }                                                                                          \
+    }
+COLI_QK(1) COLI_QK(2) COLI_QK(3) COLI_QK(4) COLI_QK(5) COLI_QK(6) COLI_QK(7) COLI_QK(8)
+
+/* Scores of q against the n <= CV_W keys K + i*ks as one vector (lane i = key i; lanes >= n
+ * are 0). hd need not be a multiple of CV_W: the last partial vector is read with a masked
+ * load. */
+static inline cv_t coli_qk_block(const float *q, const float *K, long ks, int n, int hd) {
+    cv_t acc[CV_W];
+#if CV_W == 1
+    acc[0] = 0.0f; /* n >= 1: tells the compiler so */
+#endif
+    int d = 0, add = 0;
+    for (; d + 8 * CV_W <= hd; d += 8 * CV_W, add = 1) coli_qk_8(q + d, K + d, ks, n, acc, add);
+    switch ((hd - d) / CV_W) {
+    case 1: coli_qk_1(q + d, K + d, ks, n, acc, add); break;
+    case 2: coli_qk_2(q + d, K + d, ks, n, acc, add); break;
+    case 3: coli_qk_3(q + d, K + d, ks, n, acc, add); break;
+    case 4: coli_qk_4(q + d, K + d, ks, n, acc, add); break;
+    case 5: coli_qk_5(q + d, K + d, ks, n, acc, add); break;
+    case 6: coli_qk_6(q + d, K + d, ks, n, acc, add); break;
+    case 7: coli_qk_7(q + d, K + d, ks, n, acc, add); break;
+    default: break;
+    }
+    add |= hd - d >= CV_W;
+    d = hd / CV_W * CV_W;
+    if (d < hd) {
+        cv_t qv = cv_loadn(q + d, hd - d);
         for (int i = 0; i < n; i++) {
-            float s = coli_dot(q, K + (long)(b + i) * ks, hd) * scale;
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-            sc[i] = s;
-            bm = s > bm ? s : bm;
-        }
-        if (bm > mx) {
-            float c = expf(mx - bm);
-            coli_scale_add(o, c, o, 0.0f, vd);
-            l *= c;
-            mx = bm;
-        }
-        for (int i = 0; i < n; i++) {
-            float p = expf(sc[i] - mx);
-            l += p;
-            coli_scale_add(o, 1.0f, V + (long)(b + i) * vs, p, vd);
+            cv_t a = cv_mul(qv, cv_loadn(K + (long)i * ks + d, hd - d));
+            acc[i] = add ? cv_add(acc[i], a) : a;
         }
     }
-    coli_scale_add(o, 1.0f / l, o, 0.0f, vd);
+    for (int i = n; i < CV_W; i++) acc[i] = cv_zero();
+    return cv_sum_lanes(acc);
+}
+
+/* o[0 : NV*CV_W] = f * (c * o + sum_i p[i] * V_i[same]) over the keys V_i = V + i*vs, i < n;
+ * with first set the old o is not read (it may be uninitialized). Short outputs (NV < 4)
+ * alternate keys between two accumulator sets to keep enough FMA chains in flight. */
+#define COLI_PV(NV)                                                                                \
+    static inline void coli_pv_##NV(float *o, const float *V, long vs, int n, const float *p, float c, \
+                                    float f, int first) {                                          \
+        enum { NS = NV < 4 ? 2 : 1 };                                                              \
+        cv_t a[NS][NV];                                                                            \
+        for (int v = 0; v < NV; v++) {                                                             \
+            a[0][v] = first ? cv_zero() : c != 1.0f ? cv_mul(cv_load(o + v * CV_W), cv_set1(c))   \
+                                                     : cv_load(o + v * CV_W);                      \
+            if (NS > 1) a[NS - 1][v] = cv_zero();                                                  \
+        }                                                                                          \
+        int i = 0;                                                                                 \
+        for (; i + NS <= n; i += NS)                                                               \
+            for (int j = 0; j < NS; j++) {                                                         \
+                cv_t pj = cv_set1(p[i + j]);                                                       \
+                const float *r = V + (long)(i + j) * vs;                                           \
+                for (int v = 0; v < NV; v++) a[j][v] = cv_fma(pj, cv_load(r + v * CV_W), a[j][v]);  \
+            }                                                                                      \
+        for (; i < n; i++) {                                                                       \
+            cv_t pi = cv_set1(p[i]);                                                               \
+            for (int v = 0; v < NV; v++) a[0][v] = cv_fma(pi, cv_load(V + (long)i * vs + v * CV_W), a[0][v]); \
+        }                                                                                          \
+        for (int v = 0; v < NV; v++) {                                                             \
+            cv_t r = NS > 1 ? cv_add(a[0][v], a[NS - 1][v]) : a[0][v];                             \
+            cv_store(o + v * CV_W, f != 1.0f ? cv_mul(r, cv_set1(f)) : r);                         \
+        }                                                                                          \
+    }
+COLI_PV(1) COLI_PV(2) COLI_PV(3) COLI_PV(4) COLI_PV(5) COLI_PV(6) COLI_PV(7) COLI_PV(8)
+
+/* o[:vd] = f * (c * o + sum_i p[i] V_i) over the n keys V + i*vs (o not read when first). */
+static inline void coli_pv_block(float *o, const float *V, long vs, int n, const float *p, float c, float f,
+                                 int first, int vd) {
+    int d = 0;
+    for (; d + 8 * CV_W <= vd; d += 8 * CV_W) coli_pv_8(o + d, V + d, vs, n, p, c, f, first);
+    switch ((vd - d) / CV_W) {
+    case 1: coli_pv_1(o + d, V + d, vs, n, p, c, f, first); break;
+    case 2: coli_pv_2(o + d, V + d, vs, n, p, c, f, first); break;
+    case 3: coli_pv_3(o + d, V + d, vs, n, p, c, f, first); break;
+    case 4: coli_pv_4(o + d, V + d, vs, n, p, c, f, first); break;
+    case 5: coli_pv_5(o + d, V + d, vs, n, p, c, f, first); break;
+    case 6: coli_pv_6(o + d, V + d, vs, n, p, c, f, first); break;
+    case 7: coli_pv_7(o + d, V + d, vs, n, p, c, f, first); break;
+    default: break;
+    }
+    d = vd / CV_W * CV_W;
+    if (d < vd) {
+        int t = vd - d;
+        cv_t a = first ? cv_zero() : cv_mul(cv_loadn(o + d, t), cv_set1(c));
+        for (int i = 0; i < n; i++) a = cv_fma(cv_set1(p[i]), cv_loadn(V + (long)i * vs + d, t), a);
+        cv_storen(o + d, cv_mul(a, cv_set1(f)), t);
+    }
+}
+
+/* Query heads [h0, h1) of one row (head h at q + h*hd, output at o + h*vd) against keys
+ * [j0, j1): o_h = softmax(scale * q_h . K) V over the cache rows K + j*ks, V + j*vs of KV head
+ * h / group (at K + (h / group) * hd, V + (h / group) * vd). softcap > 0 applies
+ * softcap * tanh(s / softcap) to the scaled scores. Allocates nothing. */
+static inline void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
+                               int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o) {
+    float mx[COLI_ATT_H];
+    cv_t l[COLI_ATT_H]; /* running sums, lane-wise */
+    _Alignas(64) float p[CV_W];
+#if COLI_REALIGN
+    _Alignas(64) float kbuf[CV_W * COLI_STAGE_LD], vbuf[CV_W * COLI_STAGE_LD];
+#else
+    float *kbuf = NULL, *vbuf = NULL;
+#endif
+    long ldk = (hd + 15) / 16 * 16, ldv = (vd + 15) / 16 * 16;
+    if (j1 <= j0) {
+        memset(o + (long)h0 * vd, 0, (size_t)(h1 - h0) * vd * sizeof(float));
+        return;
+    }
+    for (int hb = h0; hb < h1; hb += COLI_ATT_H) {
+        int he = h1 - hb < COLI_ATT_H ? h1 : hb + COLI_ATT_H;
+        for (int h = hb; h < he; h++) mx[h - hb] = -INFINITY, l[h - hb] = cv_zero();
+        for (int b = j0; b < j1; b += CV_W) {
+            int n = j1 - b < CV_W ? j1 - b : CV_W, first = b == j0, last = b + n == j1;
+            for (int h = hb; h < he;) {
+                /* the heads of KV head g in [h, he) share its block of rows */
+                int g = h / group, hg = (g + 1) * group < he ? (g + 1) * group : he;
+                const float *Kb = K + (long)g * hd + (long)b * ks, *Vb = V + (long)g * vd + (long)b * vs;
+                long kst = ks, vst = vs;
+                int sk = 0, sv = 0, v_in_k = Vb == Kb && vs == ks; /* MLA: values lead the key rows */
+                if (hg - h > 1) { /* staging pays off when several heads read the rows */
+                    sk = coli_row_shift(Kb, ks, hd);
+                    sv = coli_row_shift(Vb, vs, vd);
+                }
+                if (sk) {
+                    coli_stage_rows(Kb, ks, n, hd, sk, kbuf, ldk);
+                    Kb = kbuf, kst = ldk;
+                }
+                if (v_in_k) {
+                    Vb = Kb, vst = kst;
+                } else if (sv) {
+                    coli_stage_rows(Vb, vs, n, vd, sv, vbuf, ldv);
+                    Vb = vbuf, vst = ldv;
+                }
+                for (; h < hg; h++) {
+                    cv_t s = cv_mul(coli_qk_block(q + (long)h * hd, Kb, kst, n, hd), cv_set1(scale));
+                    if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
+                        _Alignas(64) float t[CV_W];
+                        cv_store(t, s);
+                        for (int i = 0; i < n; i++) t[i] = softcap * tanhf(t[i] / softcap);
+                        s = cv_load(t);
+                    }
+                    s = cv_keep(s, n, -INFINITY);
+                    float *m = &mx[h - hb], bm = cv_hmax(s), c = 1.0f;
+                    cv_t *lh = &l[h - hb];
+                    if (bm > *m) {
+                        c = cv_first(cv_exp(cv_set1(*m - bm)));
+                        *m = bm;
+                        *lh = cv_mul(*lh, cv_set1(c));
+                    }
+                    cv_t e = cv_exp(cv_sub(s, cv_set1(*m)));
+                    *lh = cv_add(*lh, e);
+                    cv_store(p, e);
+                    coli_pv_block(o + (long)h * vd, Vb, vst, n, p, c, last ? 1.0f / cv_sum(*lh) : 1.0f, first, vd);
+                }
+            }
+        }
+    }
 }
 
 /* ---- token-panel GEMM for many tokens (prefill) --------------------------------------
