@@ -64,6 +64,7 @@ class KVCache:
         self.k = np.zeros((n_layers, capacity, k_width), dtype=np.float32)  # (L, cap, kw)
         self.v = np.zeros((n_layers, capacity, v_width), dtype=np.float32)  # (L, cap, vw)
         self.tokens: list[int] = []
+        self._ptrs: tuple = (None, None, None, None)  # k, v and their layer_ptrs()
 
     @property
     def capacity(self) -> int:
@@ -90,10 +91,14 @@ class KVCache:
         del self.tokens[n:]
 
     def layer_ptrs(self) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses of each layer's (capacity, width) block: two (L,) int64 arrays."""
-        kb, vb = self.k.ctypes.data, self.v.ctypes.data
-        layers = np.arange(self.n_layers, dtype=np.int64)
-        return (kb + layers * self.k.strides[0], vb + layers * self.v.strides[0])
+        """Addresses of each layer's (capacity, width) block: two (L, 1) int64 arrays,
+        computed again only when k or v is a new array (the cache grew)."""
+        k, v, kp, vp = self._ptrs
+        if k is not self.k or v is not self.v:
+            layers = np.arange(self.n_layers, dtype=np.int64)[:, None]
+            kp, vp = self.k.ctypes.data + layers * self.k.strides[0], self.v.ctypes.data + layers * self.v.strides[0]
+            self._ptrs = (self.k, self.v, kp, vp)
+        return kp, vp
 
     @property
     def nbytes(self) -> int:
@@ -163,9 +168,6 @@ class Engine:
 
         Returns float32 logits: one row per entry (its last token), or one per token
         when all_logits. The array is the engine's buffer: valid until the next step."""
-        V = self.cfg.vocab_size
-        ids, pos, kp, vp, rows = [], [], [], [], []
-        n = 0
         for cache, toks in entries:
             if not toks:
                 raise InvalidRequestError("a step entry has no tokens")
@@ -175,23 +177,14 @@ class Engine:
                     f"context_length_exceeded: {start + len(toks)} tokens do not fit the context of {self.max_context}"
                 )
             cache.reserve(start + len(toks))
-            kl, vl = cache.layer_ptrs()
-            ids.append(np.asarray(toks, dtype=np.int64))
-            pos.append(np.arange(start, start + len(toks), dtype=np.int32))
-            kp.append(np.repeat(kl[:, None], len(toks), axis=1))  # (L, T)
-            vp.append(np.repeat(vl[:, None], len(toks), axis=1))
-            n += len(toks)
-            rows.append(np.arange(n - len(toks), n) if all_logits else np.array([n - 1]))
-        flat = np.concatenate(ids)
-        if flat.min() < 0 or flat.max() >= V:
-            bad = int(flat[(flat < 0) | (flat >= V)][0])
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{V - 1})")
-        batch = Batch(ids=flat.astype(np.int32), pos=np.concatenate(pos),
-                      kptr=np.ascontiguousarray(np.concatenate(kp, axis=1)),
-                      vptr=np.ascontiguousarray(np.concatenate(vp, axis=1)))
+        if len(entries) == 1 and len(entries[0][1]) == 1:  # one sequence decoding: the common step
+            batch, rows = self._one_token(*entries[0])
+        else:
+            batch, rows = self._batch(entries, all_logits)
+        n = len(batch.ids)
         ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
-        logits = self.model.forward(batch, self.run_state, np.concatenate(rows).astype(np.intp))
+        logits = self.model.forward(batch, self.run_state, rows)
         wall = time.perf_counter() - t0
         for cache, toks in entries:
             cache.tokens.extend(int(t) for t in toks)
@@ -207,10 +200,41 @@ class Engine:
             bytes_read=io1.bytes_read - io0.bytes_read if io1 else 0,
             routed=[m.last for m in self.model.moe_layers])
         if not io1:  # resident experts: every needed expert is a hit
-            need = sum(len(np.unique(r)) for r in self.last.routed)
+            need = sum(m.used for m in self.model.moe_layers)
             self.last.experts_needed = self.last.experts_hit = need
         self.totals += self.last
         return logits
+
+    def _batch(self, entries: list[tuple[KVCache, list[int]]], all_logits: bool) -> tuple[Batch, np.ndarray]:
+        """The Batch of a step and the rows whose logits it returns."""
+        V = self.cfg.vocab_size
+        ids, pos, kp, vp, rows = [], [], [], [], []
+        n = 0
+        for cache, toks in entries:
+            start, T = len(cache), len(toks)
+            kl, vl = cache.layer_ptrs()
+            ids.append(np.asarray(toks, dtype=np.int64))
+            pos.append(np.arange(start, start + T, dtype=np.int32))
+            kp.append(np.repeat(kl, T, axis=1))  # (L, T)
+            vp.append(np.repeat(vl, T, axis=1))
+            n += T
+            rows.append(np.arange(n - T, n) if all_logits else np.array([n - 1]))
+        flat = np.concatenate(ids)
+        if flat.min() < 0 or flat.max() >= V:
+            bad = int(flat[(flat < 0) | (flat >= V)][0])
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{V - 1})")
+        batch = Batch(ids=flat.astype(np.int32), pos=np.concatenate(pos),
+                      kptr=np.ascontiguousarray(np.concatenate(kp, axis=1)),
+                      vptr=np.ascontiguousarray(np.concatenate(vp, axis=1)))
+        return batch, np.concatenate(rows).astype(np.intp)
+
+    def _one_token(self, cache: KVCache, toks: list[int]) -> tuple[Batch, np.ndarray]:
+        """``_batch`` of one entry with one token, without the concatenations."""
+        t, V = int(toks[0]), self.cfg.vocab_size
+        if not 0 <= t < V:
+            raise InvalidRequestError(f"token id {t} is outside the vocabulary (0..{V - 1})")
+        kp, vp = cache.layer_ptrs()  # (L, 1)
+        return Batch(ids=np.array([t], np.int32), pos=np.array([len(cache)], np.int32), kptr=kp, vptr=vp), _ROW0
 
     def io_stats(self):
         """The expert store's cumulative counters (None when experts are resident)."""
@@ -227,6 +251,9 @@ class Engine:
         store = getattr(self.weights, "store", None)
         tiers = store.resident_bytes() if store is not None else {"pinned": 0, "cached": self._expert_bytes, "disk": 0}
         return {**tiers, "dense": self._dense_bytes}
+
+
+_ROW0 = np.zeros(1, np.intp)  # the logit row of a one-token step
 
 
 def _dense_bytes(model: DecoderLM) -> int:

@@ -57,6 +57,85 @@ def test_rmsnorm(M, H, unit_offset):
     np.testing.assert_allclose(x, out, **TOL)
 
 
+@pytest.mark.parametrize("M,H", [(1, 64), (3, 17), (40, 1024)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rmsnorm_equals_add_then_rmsnorm(M, H, unit_offset):
+    x, add, w = rand(M, H), rand(M, H), rand(H)
+    want_x = x + add
+    want = np.empty_like(x)
+    K.rmsnorm(want_x, w, 1e-6, want, unit_offset)
+    out = np.empty_like(x)
+    K.add_rmsnorm(x, add, w, 1e-6, out, unit_offset)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "strided", "readonly", "list"])
+def test_array_arguments_are_checked(bad):
+    """The kernels that take plain ndarrays reject what a typed memoryview would."""
+    x, w, out = rand(3, 8), rand(8), np.empty((3, 8), np.float32)
+    if bad == "dtype":
+        out = out.astype(np.float64)
+    elif bad == "shape":
+        w = rand(9)
+    elif bad == "strided":
+        x = rand(3, 16)[:, ::2]
+    elif bad == "readonly":
+        out.flags.writeable = False
+    else:
+        x = x.tolist()
+    with pytest.raises(TypeError if bad == "list" else ValueError):
+        K.rmsnorm(x, w, 1e-6, out)
+
+
+@pytest.mark.parametrize("norm", [None, "head", "full"])
+@pytest.mark.parametrize("nh,nkv,hd,rot", [(4, 2, 16, 16), (3, 3, 10, 4), (8, 1, 32, 16)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_attention_front_equals_norm_rope_kv_write(norm, nh, nkv, hd, rot, unit_offset):
+    """Bit-identical to the kernels it replaces, for rows of two sequences in one batch."""
+    M, L, layer, cap = 5, 3, 1, 12
+    q, k, v = rand(M, nh * hd), rand(M, nkv * hd), rand(M, nkv * hd)
+    qn, kn = {None: (None, None), "head": (rand(hd), rand(hd)), "full": (rand(nh * hd), rand(nkv * hd))}[norm]
+    inv = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
+    pos = np.array([3, 4, 0, 1, 11], np.int32)
+    seq = np.array([0, 0, 1, 1, 1])
+    caches = [[np.zeros((L, cap, nkv * hd), np.float32) for _ in range(2)] for _ in range(2)]  # [k, v] per sequence
+    kptr = np.array([[c[0].ctypes.data + l * c[0].strides[0] for c in (caches[s] for s in seq)] for l in range(L)])
+    vptr = np.array([[c[1].ctypes.data + l * c[1].strides[0] for c in (caches[s] for s in seq)] for l in range(L)])
+    want_q, want_k = q.copy(), k.copy()
+    if norm == "head":
+        for t, wt in ((want_q.reshape(-1, hd), qn), (want_k.reshape(-1, hd), kn)):
+            K.rmsnorm(t, wt, 1e-5, t, unit_offset)
+    elif norm == "full":
+        K.rmsnorm(want_q, qn, 1e-5, want_q, unit_offset)
+        K.rmsnorm(want_k, kn, 1e-5, want_k, unit_offset)
+    K.rope(want_q, nh, hd, rot, pos, inv, 0.75)
+    K.rope(want_k, nkv, hd, rot, pos, inv, 0.75)
+    front = K.AttentionFront(nh, nkv, hd, rot, inv, 0.75, norm, qn, kn, 1e-5, unit_offset)
+    K.attention_front(front, q, k, v, pos, kptr, vptr, layer)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(k, want_k)
+    for m in range(M):
+        np.testing.assert_array_equal(caches[seq[m]][0][layer, pos[m]], want_k[m])
+        np.testing.assert_array_equal(caches[seq[m]][1][layer, pos[m]], v[m])
+    assert not any(c[i][l].any() for c in caches for i in range(2) for l in range(L) if l != layer)
+
+
+def test_attention_front_rejects_bad_shapes():
+    inv = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="norm weights"):
+        K.AttentionFront(4, 2, 8, 8, inv, 1.0, "full", rand(32), rand(8))
+    front = K.AttentionFront(4, 2, 8, 8, inv)
+    q, k, v, pos = rand(2, 32), rand(2, 16), rand(2, 16), np.zeros(2, np.int32)
+    ptr = np.zeros((3, 2), np.int64)
+    with pytest.raises(ValueError, match="shape"):
+        K.attention_front(front, rand(2, 24), k, v, pos, ptr, ptr, 0)
+    with pytest.raises(ValueError, match="shape"):
+        K.attention_front(front, q, k, v, pos, np.zeros((3, 1), np.int64), ptr, 0)
+    with pytest.raises(ValueError, match="layer"):
+        K.attention_front(front, q, k, v, pos, ptr, ptr, 3)
+
+
 @pytest.mark.parametrize("act", [0, 1])
 def test_gated_act(act):
     g, u = rand(5, 37, scale=3), rand(5, 37)
@@ -203,14 +282,10 @@ def test_moe_experts(M, E, k, H, I, act, fmt):
     mats = [[quantize(a[e], fmt) for a in (gate, up, down)] for e in range(E)]
     for e in range(E):
         table.set(e, *mats[e])
-    n, hp, ip = M * k, K.padded(H), K.padded(I)
-    out = np.full((M, H), 0.5, np.float32)  # the kernel accumulates into out
+    out = np.full((M, H), np.nan, np.float32)  # the kernel overwrites out
     counts = np.zeros(E, np.int64)
-    scratch = np.empty(K.moe_scratch_ints(M, k, E, I, H), np.int32)
-    K.moe_experts(x, idx, w, table, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
-                  np.empty((n, I), np.float32), np.empty((n, H), np.float32), scratch, counts, act,
-                  np.empty((n, hp), np.int8), np.empty((n, hp // 32), np.float32), np.empty((n, hp // 32), np.int32),
-                  np.empty((n, ip), np.int8), np.empty((n, ip // 32), np.float32), np.empty((n, ip // 32), np.int32))
+    used = K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), counts, act)
+    assert used == len(np.unique(idx))
     deq = [np.stack([dequantize(mats[e][j]) for e in range(E)]) for j in range(3)]
     if fmt in ("f32", "bf16"):
         ref = R.moe_experts(x, idx, w, *deq, act)
@@ -223,8 +298,23 @@ def test_moe_experts(M, E, k, H, I, act, fmt):
                 h = R.ACTS[act](reference_qlinear(xm, mats[e][0]).astype(np.float64)) * reference_qlinear(xm, mats[e][1])
                 ref[m] += w[m, j] * reference_qlinear(h.astype(np.float32), mats[e][2])[0]
     tol = TOL if fmt != "int4" else dict(atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(out, 0.5 + ref, **tol)
+    np.testing.assert_allclose(out, ref, **tol)
     np.testing.assert_array_equal(counts, np.bincount(idx.ravel(), minlength=E))
+
+
+def test_moe_experts_checks_its_scratch():
+    E, H, I = 4, 16, 8
+    table = K.ExpertTable(E, H, I, K.FORMATS["f32"])
+    for e in range(E):
+        table.set(e, *(quantize(rand(r, c), "f32") for r, c in ((I, H), (I, H), (H, I))))
+    x, out, counts = rand(3, H), np.empty((3, H), np.float32), np.zeros(E, np.int64)
+    idx, w = np.array([[0, 1], [2, 3], [1, 2]], np.int32), rand(3, 2)
+    for scratch in (K.MoEScratch(2, 2, E, H, I), K.MoEScratch(3, 1, E, H, I), K.MoEScratch(3, 2, E, H, I + 1)):
+        with pytest.raises(ValueError, match="scratch"):
+            K.moe_experts(x, idx, w, table, out, scratch, counts, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        K.moe_experts(x, idx + 1, w, table, out, K.MoEScratch(3, 2, E, H, I), counts, 0)
+    assert not counts.any()
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
@@ -396,15 +486,10 @@ def test_moe_experts_f32_many_tokens(min_rows):
     table = K.ExpertTable(E, H, I, K.FORMATS["f32"])
     for e in range(E):
         table.set(e, quantize(gate[e], "f32"), quantize(up[e], "f32"), quantize(down[e], "f32"))
-    n, hp, ip = M * k, K.padded(H), K.padded(I)
-    out = np.zeros((M, H), np.float32)
+    out = np.empty((M, H), np.float32)
     K.set_panel_min_rows(min_rows)
     try:
-        K.moe_experts(x, idx, w, table, out, np.empty((n, H), np.float32), np.empty((n, I), np.float32),
-                      np.empty((n, I), np.float32), np.empty((n, H), np.float32),
-                      np.empty(K.moe_scratch_ints(M, k, E, I, H), np.int32), np.zeros(E, np.int64), 0,
-                      np.empty((n, hp), np.int8), np.empty((n, hp // 32), np.float32), np.empty((n, hp // 32), np.int32),
-                      np.empty((n, ip), np.int8), np.empty((n, ip // 32), np.float32), np.empty((n, ip // 32), np.int32))
+        K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
     finally:
         K.set_panel_min_rows(48)
     np.testing.assert_allclose(out, R.moe_experts(x, idx, w, gate, up, down, 0), **TOL)

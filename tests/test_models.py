@@ -82,6 +82,23 @@ def test_threads_do_not_change_results(hf_models):
     np.testing.assert_array_equal(one, two)
 
 
+def test_one_token_step_builds_the_general_batch(hf_models):
+    """Engine.step's shortcut for one sequence decoding one token: the Batch of the general
+    path, with layer pointers that follow the cache when it grows."""
+    eng = coli.load(hf_models("qwen3"), threads=2).engine
+    cache = eng.new_cache(capacity=4)
+    eng.step([(cache, prompt_ids(4))])
+    cache.reserve(5)  # grows: new arrays
+    fast, fast_rows = eng._one_token(cache, [7])
+    slow, slow_rows = eng._batch([(cache, [7])], all_logits=False)
+    for name in ("ids", "pos", "kptr", "vptr"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and a.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(fast_rows, slow_rows)
+    assert fast.kptr[1, 0] == cache.k[1].ctypes.data and fast.vptr[0, 0] == cache.v.ctypes.data
+
+
 def test_sharded_checkpoint(tmp_path):
     make_hf_model("qwen3_moe", tmp_path, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   max_shard_size="40KB")

@@ -4,13 +4,21 @@
 Every kernel is a ``cdef ... noexcept nogil`` loop over caller-provided buffers
 (nothing is allocated here) with a thin ``def`` wrapper that the engine and the
 parity tests call. Shapes are checked once in the wrapper; the loops run with
-bounds checks off (``COLI_CYTHON_DEBUG=1`` at build time turns them back on).
-Each kernel has a NumPy twin in ``coli/_engine/reference.py``.
+bounds checks off (``COLI_CYTHON_DEBUG=1`` at build time turns them back on where
+they index memoryviews). Each kernel has a NumPy twin in
+``coli/_engine/reference.py``, except the fused ones (add_rmsnorm,
+attention_front), which are tested bit for bit against the kernels they fuse.
 
 Threading: ``set_num_threads`` fixes the OpenMP team used by every ``prange``.
 Work is split so that each output element is written by one thread and summed
 in a fixed order: results do not depend on the thread count.
+
+Arguments: most wrappers take typed memoryviews. The kernels a decode step calls
+per layer take plain ndarrays checked by ``_arr`` instead: acquiring a memoryview
+costs ~150 ns per argument, and a step passes hundreds (see "cheap array
+arguments" below).
 """
+cimport numpy as cnp
 cimport openmp
 import numpy as np
 from cython.parallel cimport parallel, prange, threadid
@@ -64,6 +72,8 @@ cdef enum:
     ACT_GELU_TANH = 1
     QK = 32             # quantization group
 
+cnp.import_array()
+
 cdef int _nthreads = 1
 cdef long SMALL_WORK = 1 << 15  # below this many inner-loop steps a kernel runs on the calling thread
 cdef float *_panels = NULL   # packed token panels of the current GEMM, grown as needed
@@ -93,7 +103,12 @@ cdef inline int _team(long work) noexcept nogil:
     """Threads for a loop of ``work`` inner steps: small loops (a decode step's norms,
     RoPE, routing, activation quantization) stay on the calling thread, because waking
     the OpenMP team costs more than the loop itself. Either way each output element is
-    written by one thread in the same order, so results do not change."""
+    written by one thread in the same order, so results do not change.
+
+    The hot kernels then run a plain loop, outside any OpenMP region (entering even a
+    one-thread ``prange`` costs ~0.5 us, more than a decode step's norm of a row): they
+    write the loop body once, as a row or block function called from both a ``range``
+    and a ``prange``."""
     return 1 if work < SMALL_WORK else _nthreads
 
 
@@ -119,6 +134,28 @@ def simd_name():
     return coli_simd_name().decode()
 
 
+# ---------------------------------------------------------------- cheap array arguments
+
+cdef inline void *_arr(object a, int typenum, int ndim, bint writable, str what) except? NULL:
+    """The data of ``a``, which must be an aligned, C-contiguous, native-order ndarray of
+    this dtype and rank (and writable, for an output): ValueError otherwise, like a
+    mismatched typed memoryview. Callers then check the shape with _dim."""
+    cdef cnp.ndarray arr
+    if not cnp.PyArray_Check(a):
+        raise TypeError(f"{what} must be a numpy array, not {type(a).__name__}")
+    arr = <cnp.ndarray>a
+    if (cnp.PyArray_TYPE(arr) != typenum or cnp.PyArray_NDIM(arr) != ndim or not cnp.PyArray_ISCARRAY_RO(arr)
+            or not cnp.PyArray_ISNOTSWAPPED(arr) or (writable and not cnp.PyArray_ISWRITEABLE(arr))):
+        raise ValueError(f"{what} must be a C-contiguous{' writable' if writable else ''} {ndim}-D "
+                         f"{cnp.PyArray_DescrFromType(typenum)} array, got {a.dtype} {a.shape}")
+    return cnp.PyArray_DATA(arr)
+
+
+cdef inline Py_ssize_t _dim(object a, int i) noexcept:
+    """Dimension i of an array that _arr accepted."""
+    return cnp.PyArray_DIM(<cnp.ndarray>a, i)
+
+
 cdef inline float _act(float x, int act) noexcept nogil:
     if act == ACT_GELU_TANH:
         return coli_gelu_tanh(x)
@@ -127,66 +164,127 @@ cdef inline float _act(float x, int act) noexcept nogil:
 
 # ---------------------------------------------------------------- linear layers
 
+cdef inline void _linear_block(int b, int block, const float *X, long ldx, int M, const float *W, int N, int K,
+                               float *Y, long ldy, const float *bias, const float *panels) noexcept nogil:
+    """Weight rows [b*block, b*block + block) of _linear."""
+    cdef int n0 = b * block, m, n
+    cdef int nb = N - n0 if N - n0 < block else block
+    if panels != NULL:
+        coli_gemm_tokens(panels, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
+    else:
+        coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
+    if bias != NULL:
+        for m in range(M):
+            for n in range(nb):
+                Y[m * ldy + n0 + n] += bias[n0 + n]
+
+
 cdef void _linear(const float *X, long ldx, int M, const float *W, int N, int K,
                   float *Y, long ldy, const float *bias, float *panels) noexcept nogil:
     """panels: scratch for X packed into token panels (see _panel_scratch), or NULL for
     the dot-product tiles."""
     cdef int block = 2 * ROW_BLOCK if panels != NULL else ROW_BLOCK
     cdef int nblocks = (N + block - 1) // block
-    cdef int b, n0, nb, m, n
+    cdef int b
     cdef int nt = _team(<long>M * N * K // 4)
     if panels != NULL:
         coli_pack_tokens(X, ldx, M, K, panels)
-    for b in prange(nblocks, num_threads=nt, schedule='static'):
-        n0 = b * block
-        nb = N - n0 if N - n0 < block else block
-        if panels != NULL:
-            coli_gemm_tokens(panels, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
-        else:
-            coli_gemm_nt(X, ldx, M, W + <long>n0 * K, K, nb, K, Y + n0, ldy)
-        if bias != NULL:
-            for m in range(M):
-                for n in range(nb):
-                    Y[m * ldy + n0 + n] += bias[n0 + n]
+    if nt == 1:
+        for b in range(nblocks):
+            _linear_block(b, block, X, ldx, M, W, N, K, Y, ldy, bias, panels)
+    else:
+        for b in prange(nblocks, num_threads=nt, schedule='static'):
+            _linear_block(b, block, X, ldx, M, W, N, K, Y, ldy, bias, panels)
 
 
 cdef inline size_t _panel_floats(int M, int K) noexcept nogil:
     return <size_t>((M + COLI_NP - 1) // COLI_NP) * COLI_NP * K
 
 
-def linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out, const float[::1] bias=None):
-    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N])."""
-    cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0]
-    if w.shape[1] != K or out.shape[0] != M or out.shape[1] != N:
-        raise ValueError(f"linear: shapes x({M}, {K}) w({N}, {w.shape[1]}) out({out.shape[0]}, {out.shape[1]})")
-    if bias is not None and bias.shape[0] != N:
-        raise ValueError("linear: bias length != out features")
+def linear(x, w, out, bias=None):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]); float32 ndarrays."""
+    cdef const float *xp = <const float *>_arr(x, cnp.NPY_FLOAT32, 2, False, "linear: x")
+    cdef const float *wp = <const float *>_arr(w, cnp.NPY_FLOAT32, 2, False, "linear: w")
+    cdef float *op = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "linear: out")
+    cdef int M = _dim(x, 0), K = _dim(x, 1), N = _dim(w, 0)
+    if _dim(w, 1) != K or _dim(out, 0) != M or _dim(out, 1) != N:
+        raise ValueError(f"linear: shapes x({M}, {K}) w({N}, {_dim(w, 1)}) out({_dim(out, 0)}, {_dim(out, 1)})")
+    cdef const float *bp = NULL
+    if bias is not None:
+        bp = <const float *>_arr(bias, cnp.NPY_FLOAT32, 1, False, "linear: bias")
+        if _dim(bias, 0) != N:
+            raise ValueError("linear: bias length != out features")
     if M == 0 or N == 0:
         return
-    cdef const float *bp = &bias[0] if bias is not None else NULL
     cdef float *panels = _panel_scratch(_panel_floats(M, K)) if M >= PANEL_MIN_ROWS else NULL
     with nogil:
-        _linear(&x[0, 0], K, M, &w[0, 0], N, K, &out[0, 0], N, bp, panels)
+        _linear(xp, K, M, wp, N, K, op, N, bp, panels)
 
 
 # ---------------------------------------------------------------- norms, activations
 
-def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] out, bint unit_offset=False):
-    """out = x / sqrt(mean(x**2) + eps) * (w or 1 + w), row by row; out may be x."""
-    cdef int M = x.shape[0], H = x.shape[1], m, i
-    cdef double ss
-    cdef float r, g
-    if w.shape[0] != H or out.shape[0] != M or out.shape[1] != H:
-        raise ValueError("rmsnorm: shape mismatch")
+cdef inline void _scale_row(const float *x, int H, double ss, float eps, const float *w, float off,
+                            float *out) noexcept nogil:
+    """out = rmsnorm of the row x (out may be x), given ss, the sum of its squares."""
+    cdef float r = <float>(1.0 / sqrt(ss / H + eps))
+    cdef int i
+    for i in range(H):
+        out[i] = (x[i] * r) * (w[i] + off)
+
+
+cdef inline void _rmsnorm_row(float *x, const float *add, const float *w, int H, float eps, float off,
+                              float *out) noexcept nogil:
+    """One row of rmsnorm; with ``add``, x += add first (x is only written then)."""
+    cdef double ss = 0
+    cdef int i
+    if add != NULL:
+        for i in range(H):
+            x[i] = x[i] + add[i]
+            ss = ss + <double>x[i] * x[i]
+    else:
+        for i in range(H):
+            ss = ss + <double>x[i] * x[i]
+    _scale_row(x, H, ss, eps, w, off, out)
+
+
+cdef int _rmsnorm_rows(x, add, w, float eps, out, bint unit_offset, str name) except -1:
+    """rmsnorm (add None) and add_rmsnorm."""
+    cdef float *xp = <float *>_arr(x, cnp.NPY_FLOAT32, 2, add is not None, name)
+    cdef const float *wp = <const float *>_arr(w, cnp.NPY_FLOAT32, 1, False, name)
+    cdef float *op = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, name)
+    cdef const float *ap = NULL
+    cdef int M = _dim(x, 0), H = _dim(x, 1), m
+    if add is not None:
+        ap = <const float *>_arr(add, cnp.NPY_FLOAT32, 2, False, name)
+        if _dim(add, 0) != M or _dim(add, 1) != H:
+            raise ValueError(f"{name}: shape mismatch")
+    if _dim(w, 0) != H or _dim(out, 0) != M or _dim(out, 1) != H:
+        raise ValueError(f"{name}: shape mismatch")
     cdef float off = 1.0 if unit_offset else 0.0
-    for m in prange(M, nogil=True, num_threads=_team(<long>M * H), schedule='static'):
-        ss = 0
-        for i in range(H):
-            ss = ss + <double>x[m, i] * x[m, i]
-        r = <float>(1.0 / sqrt(ss / H + eps))
-        for i in range(H):
-            g = w[i] + off
-            out[m, i] = (x[m, i] * r) * g
+    cdef int nt = _team(<long>M * H)
+    with nogil:
+        if nt == 1:
+            for m in range(M):
+                _rmsnorm_row(xp + <long>m * H, ap + <long>m * H if ap != NULL else NULL, wp, H, eps, off,
+                             op + <long>m * H)
+        else:
+            for m in prange(M, num_threads=nt, schedule='static'):
+                _rmsnorm_row(xp + <long>m * H, ap + <long>m * H if ap != NULL else NULL, wp, H, eps, off,
+                             op + <long>m * H)
+    return 0
+
+
+def rmsnorm(x, w, float eps, out, bint unit_offset=False):
+    """out = x / sqrt(mean(x**2) + eps) * (w or 1 + w), row by row; out may be x.
+    x, out (M, H) float32 ndarrays, w (H,)."""
+    _rmsnorm_rows(x, None, w, eps, out, unit_offset, "rmsnorm")
+
+
+def add_rmsnorm(x, add, w, float eps, out, bint unit_offset=False):
+    """x += add, then out = rmsnorm(x, w, eps) (see rmsnorm) in the same pass over each
+    row: a block's output joins the residual stream x and the next block's input is
+    normed. Bit-identical to ``x += add`` followed by rmsnorm. add (M, H) like x."""
+    _rmsnorm_rows(x, add, w, eps, out, unit_offset, "add_rmsnorm")
 
 
 def gated_act(const float[:, ::1] g, const float[:, ::1] u, float[:, ::1] out, int act=ACT_SILU):
@@ -212,6 +310,148 @@ def embed(const int32_t[::1] ids, const float[:, ::1] table, float[:, ::1] out, 
 
 
 # ---------------------------------------------------------------- attention
+
+cdef enum:
+    QK_NORM_NONE = 0
+    QK_NORM_HEAD = 1    # q_norm / k_norm over each head
+    QK_NORM_FULL = 2    # over the whole q / k projection
+
+cdef struct qk_front:
+    int nh, nkv, hd, half, norm
+    float scaling, eps, off
+    const float *inv_freq
+    const float *qw
+    const float *kw
+
+
+cdef class AttentionFront:
+    """One attention layer's constants for attention_front: head counts and size, RoPE
+    on the first rot_dim dims of each head (inv_freq, scaling; see rope), and the
+    optional q/k RMSNorm. Checked once, here, rather than at every call.
+
+    norm: None; "head" (q_norm, k_norm (head_dim,) applied to every head); or "full"
+    (q_norm (n_heads*head_dim,), k_norm (n_kv_heads*head_dim,) over the whole row).
+    eps and unit_offset as in rmsnorm."""
+    cdef qk_front f
+    cdef readonly int n_heads, n_kv_heads, head_dim, rot_dim
+    cdef readonly object norm, inv_freq, q_norm, k_norm
+
+    def __init__(self, int n_heads, int n_kv_heads, int head_dim, int rot_dim, inv_freq, float scaling=1.0,
+                 norm=None, q_norm=None, k_norm=None, float eps=1e-6, bint unit_offset=False):
+        widths = {None: (0, 0), "head": (head_dim, head_dim), "full": (n_heads * head_dim, n_kv_heads * head_dim)}
+        if n_heads <= 0 or n_kv_heads <= 0 or head_dim <= 0 or not 0 <= rot_dim <= head_dim:
+            raise ValueError(f"AttentionFront: bad geometry ({n_heads}, {n_kv_heads}, {head_dim}, {rot_dim})")
+        if norm not in widths:
+            raise ValueError(f"AttentionFront: norm must be None, 'head' or 'full', not {norm!r}")
+        self.f.inv_freq = <const float *>_arr(inv_freq, cnp.NPY_FLOAT32, 1, False, "AttentionFront: inv_freq")
+        if _dim(inv_freq, 0) < rot_dim // 2:
+            raise ValueError("AttentionFront: fewer inv_freq than rot_dim / 2")
+        self.f.qw = self.f.kw = NULL
+        if norm is not None:
+            self.f.qw = <const float *>_arr(q_norm, cnp.NPY_FLOAT32, 1, False, "AttentionFront: q_norm")
+            self.f.kw = <const float *>_arr(k_norm, cnp.NPY_FLOAT32, 1, False, "AttentionFront: k_norm")
+            if (_dim(q_norm, 0), _dim(k_norm, 0)) != widths[norm]:
+                raise ValueError(f"AttentionFront: {norm} norm weights must be {widths[norm]} long")
+        self.f.nh, self.f.nkv, self.f.hd, self.f.half = n_heads, n_kv_heads, head_dim, rot_dim // 2
+        self.f.norm = QK_NORM_NONE if norm is None else QK_NORM_HEAD if norm == "head" else QK_NORM_FULL
+        self.f.scaling, self.f.eps, self.f.off = scaling, eps, 1.0 if unit_offset else 0.0
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = n_heads, n_kv_heads, head_dim, rot_dim
+        self.norm, self.inv_freq, self.q_norm, self.k_norm = norm, inv_freq, q_norm, k_norm
+
+
+cdef inline void _sumsq4(float **rows, int L, double *ss) noexcept nogil:
+    """ss[r] += rows[r][i]**2 for i in order, in double (rmsnorm's sum), for four rows at
+    once: four independent dependency chains instead of one after another."""
+    cdef const float *a = rows[0]
+    cdef const float *b = rows[1]
+    cdef const float *c = rows[2]
+    cdef const float *d = rows[3]
+    cdef double s0 = ss[0], s1 = ss[1], s2 = ss[2], s3 = ss[3]
+    cdef int i
+    for i in range(L):
+        s0 = s0 + <double>a[i] * a[i]
+        s1 = s1 + <double>b[i] * b[i]
+        s2 = s2 + <double>c[i] * c[i]
+        s3 = s3 + <double>d[i] * d[i]
+    ss[0], ss[1], ss[2], ss[3] = s0, s1, s2, s3
+
+
+cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int pos, float *kc, float *vc,
+                     int kw, int vw) noexcept nogil:
+    """attention_front for one row: q (nh*hd), k (kw = nkv*hd), v (vw) floats."""
+    cdef double ss[4]
+    cdef float *rows[4]
+    cdef int n = f.nh + f.nkv, qw = f.nh * f.hd, j, i, h
+    cdef float ang, c, s, x1, x2
+    cdef float *x
+    if f.norm == QK_NORM_HEAD:  # n rows of hd floats (q's heads, then k's), four at a time
+        for j in range(0, n, 4):
+            for i in range(4):
+                h = j + i if j + i < n else n - 1  # past the end: the last row again, not scaled twice
+                rows[i] = q + h * f.hd if h < f.nh else k + (h - f.nh) * f.hd
+                ss[i] = 0
+            _sumsq4(rows, f.hd, ss)
+            for i in range(n - j if n - j < 4 else 4):
+                _scale_row(rows[i], f.hd, ss[i], f.eps, f.qw if j + i < f.nh else f.kw, f.off, rows[i])
+    elif f.norm == QK_NORM_FULL:  # q and k as one row each: their sums run side by side
+        rows[0], rows[1], rows[2], rows[3] = q, k, q, k
+        ss[0] = ss[1] = ss[2] = ss[3] = 0
+        _sumsq4(rows, qw if qw < kw else kw, ss)
+        for i in range(kw, qw):
+            ss[0] = ss[0] + <double>q[i] * q[i]
+        for i in range(qw, kw):
+            ss[1] = ss[1] + <double>k[i] * k[i]
+        _scale_row(q, qw, ss[0], f.eps, f.qw, f.off, q)
+        _scale_row(k, kw, ss[1], f.eps, f.kw, f.off, k)
+    for i in range(f.half):  # RoPE, as in rope
+        ang = <float>pos * f.inv_freq[i]
+        c = <float>cos(ang) * f.scaling
+        s = <float>sin(ang) * f.scaling
+        for h in range(n):
+            x = q + h * f.hd if h < f.nh else k + (h - f.nh) * f.hd
+            x1 = x[i]
+            x2 = x[i + f.half]
+            x[i] = x1 * c - x2 * s
+            x[i + f.half] = x2 * c + x1 * s
+    memcpy(kc + <long>pos * kw, k, kw * sizeof(float))  # kv_write
+    if vw > 0:
+        memcpy(vc + <long>pos * vw, v, vw * sizeof(float))
+
+
+def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
+    """Everything attention does to a step's new q, k, v before the scores, one row m at a
+    time: the RMSNorm of q[m] and k[m] that ``front`` names, RoPE at position pos[m] (both
+    in place), then k[m] and v[m] written into the layer's caches at kptr[layer, m] /
+    vptr[layer, m] (see kv_write). Bit-identical to rmsnorm, rope and kv_write in turn.
+
+    q (M, n_heads*head_dim), k (M, n_kv_heads*head_dim), v (M, any width) float32;
+    pos (M,) int32; kptr, vptr (L, M) int64 (a Batch's), 0 <= layer < L."""
+    cdef float *qp = <float *>_arr(q, cnp.NPY_FLOAT32, 2, True, "attention_front: q")
+    cdef float *kp = <float *>_arr(k, cnp.NPY_FLOAT32, 2, True, "attention_front: k")
+    cdef const float *vp = <const float *>_arr(v, cnp.NPY_FLOAT32, 2, False, "attention_front: v")
+    cdef const int32_t *pp = <const int32_t *>_arr(pos, cnp.NPY_INT32, 1, False, "attention_front: pos")
+    cdef const int64_t *kc = <const int64_t *>_arr(kptr, cnp.NPY_INT64, 2, False, "attention_front: kptr")
+    cdef const int64_t *vc = <const int64_t *>_arr(vptr, cnp.NPY_INT64, 2, False, "attention_front: vptr")
+    cdef const qk_front *f = &front.f
+    cdef int M = _dim(q, 0), kw = _dim(k, 1), vw = _dim(v, 1), m
+    if (_dim(q, 1) != f.nh * f.hd or _dim(k, 0) != M or kw != f.nkv * f.hd or _dim(v, 0) != M
+            or _dim(pos, 0) != M or _dim(kptr, 1) != M or _dim(vptr, 0) != _dim(kptr, 0) or _dim(vptr, 1) != M):
+        raise ValueError("attention_front: shape mismatch")
+    if not 0 <= layer < _dim(kptr, 0):
+        raise ValueError(f"attention_front: layer {layer} of {_dim(kptr, 0)}")
+    kc += <long>layer * M
+    vc += <long>layer * M
+    cdef int nt = _team(<long>M * (f.nh + f.nkv) * f.hd * 2)
+    with nogil:
+        if nt == 1:
+            for m in range(M):
+                _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
+                           <float *>kc[m], <float *>vc[m], kw, vw)
+        else:
+            for m in prange(M, num_threads=nt, schedule='static'):
+                _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
+                           <float *>kc[m], <float *>vc[m], kw, vw)
+
 
 def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[::1] pos,
          const float[::1] inv_freq, float scaling=1.0):
@@ -306,36 +546,51 @@ def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1]
 
 # ---------------------------------------------------------------- mixture of experts
 
-def moe_route_softmax(const float[:, ::1] logits, int k, bint renormalize, int32_t[:, ::1] idx,
-                      float[:, ::1] weights):
-    """softmax over experts, then top-k (ties: lowest index first), optionally renormalised."""
-    cdef int M = logits.shape[0], E = logits.shape[1], m, j, e, best
+cdef void _route_softmax_row(const float *logits, int E, int k, bint renormalize, int32_t *idx,
+                             float *weights) noexcept nogil:
+    cdef int j, e, best
     cdef double mx, total, sel
     cdef float bv
-    if k > E or idx.shape[0] != M or idx.shape[1] != k or weights.shape[0] != M or weights.shape[1] != k:
-        raise ValueError("moe_route_softmax: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_team(<long>M * E * (k + 4)), schedule='static'):
-        mx = logits[m, 0]
-        for e in range(1, E):
-            if logits[m, e] > mx:
-                mx = logits[m, e]
-        total = 0
+    mx = logits[0]
+    for e in range(1, E):
+        if logits[e] > mx:
+            mx = logits[e]
+    total = 0
+    for e in range(E):
+        total = total + exp(logits[e] - mx)
+    sel = 0
+    for j in range(k):
+        best = -1
+        bv = -INFINITY
         for e in range(E):
-            total = total + exp(logits[m, e] - mx)
-        sel = 0
+            if (best < 0 or logits[e] > bv) and not _taken(idx, j, e):
+                best = e
+                bv = logits[e]
+        idx[j] = best
+        weights[j] = <float>(exp(bv - mx) / total)
+        sel = sel + weights[j]
+    if renormalize:
         for j in range(k):
-            best = -1
-            bv = -INFINITY
-            for e in range(E):
-                if (best < 0 or logits[m, e] > bv) and not _taken(&idx[m, 0], j, e):
-                    best = e
-                    bv = logits[m, e]
-            idx[m, j] = best
-            weights[m, j] = <float>(exp(bv - mx) / total)
-            sel = sel + weights[m, j]
-        if renormalize:
-            for j in range(k):
-                weights[m, j] = <float>(weights[m, j] / sel)
+            weights[j] = <float>(weights[j] / sel)
+
+
+def moe_route_softmax(logits, int k, bint renormalize, idx, weights):
+    """softmax over experts, then top-k (ties: lowest index first), optionally renormalised.
+    logits (M, E) float32; idx (M, k) int32 and weights (M, k) float32 are written."""
+    cdef const float *lp = <const float *>_arr(logits, cnp.NPY_FLOAT32, 2, False, "moe_route_softmax: logits")
+    cdef int32_t *ip = <int32_t *>_arr(idx, cnp.NPY_INT32, 2, True, "moe_route_softmax: idx")
+    cdef float *wp = <float *>_arr(weights, cnp.NPY_FLOAT32, 2, True, "moe_route_softmax: weights")
+    cdef int M = _dim(logits, 0), E = _dim(logits, 1), m
+    if not 0 < k <= E or _dim(idx, 0) != M or _dim(idx, 1) != k or _dim(weights, 0) != M or _dim(weights, 1) != k:
+        raise ValueError("moe_route_softmax: shape mismatch")
+    cdef int nt = _team(<long>M * E * (k + 4))
+    with nogil:
+        if nt == 1:
+            for m in range(M):
+                _route_softmax_row(lp + <long>m * E, E, k, renormalize, ip + <long>m * k, wp + <long>m * k)
+        else:
+            for m in prange(M, num_threads=nt, schedule='static'):
+                _route_softmax_row(lp + <long>m * E, E, k, renormalize, ip + <long>m * k, wp + <long>m * k)
 
 
 def moe_route_sigmoid(const float[:, ::1] logits, const float[::1] bias, int k, int n_group, int topk_group,

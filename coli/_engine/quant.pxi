@@ -80,8 +80,13 @@ cdef inline coli_act _rows(coli_act a, int off) noexcept nogil:
 cdef void _quantize_rows(const float *x, long ldx, int M, int K, int8_t *q, float *qd, int32_t *qs) noexcept nogil:
     cdef int m
     cdef long kp = (K + QK - 1) // QK * QK
-    for m in prange(M, num_threads=_team(<long>M * K * 2), schedule='static'):
-        coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
+    cdef int nt = _team(<long>M * K * 2)
+    if nt == 1:
+        for m in range(M):
+            coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
+    else:
+        for m in prange(M, num_threads=nt, schedule='static'):
+            coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
 
 
 def quantize_rows(const float[:, ::1] x, int8_t[:, ::1] q, float[:, ::1] qd, int32_t[:, ::1] qs):
@@ -94,10 +99,10 @@ def quantize_rows(const float[:, ::1] x, int8_t[:, ::1] q, float[:, ::1] qd, int
             _quantize_rows(&x[0, 0], K, M, K, &q[0, 0], &qd[0, 0], &qs[0, 0])
 
 
-def qlinear(const float[:, ::1] x, QMatrix w, float[:, ::1] out, const float[::1] bias,
-            int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs):
-    """out[M, N] = x @ W.T (+ bias) for W in any format. For int8/int4, x is first quantized
-    into the scratch xq (M, Kp) int8, xqd / xqs (M, Kp/32)."""
+def qlinear(x, QMatrix w, out, bias, xq, xqd, xqs):
+    """out[M, N] = x @ W.T (+ bias) for W in any format; x, out, bias float32 ndarrays.
+    For int8/int4, x is first quantized into the scratch xq (M, Kp) int8, xqd (M, Kp/32)
+    float32 and xqs (M, Kp/32) int32 (more rows are fine)."""
     _qlinear_group(x, (w,), (out,), (bias,), xq, xqd, xqs)
 
 
@@ -105,8 +110,7 @@ cdef enum:
     MAX_MANY = 8
 
 
-def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
-                 int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs):
+def qlinear_many(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs):
     """outs[i][M, N_i] = x @ mats[i].T (+ biases[i]) for up to 8 matrices that read the same
     input (q, k and v; gate and up): x is quantized (or packed into token panels) once, and
     the row blocks of all the matrices are spread over the threads in one parallel region.
@@ -114,71 +118,92 @@ def qlinear_many(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
     _qlinear_group(x, mats, outs, biases, xq, xqd, xqs)
 
 
-cdef int _qlinear_group(const float[:, ::1] x, tuple mats, tuple outs, tuple biases,
-                        int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs) except -1:
+cdef struct qgroup:
+    # a _qlinear_group call: n matrices, their row blocks numbered first[i] .. first[i+1]-1
+    int n, M, K, rb
+    coli_act a
+    coli_mat ms[MAX_MANY]
+    float *Ys[MAX_MANY]
+    const float *Bs[MAX_MANY]
+    int Ns[MAX_MANY]
+    int first[MAX_MANY + 1]
+    const float *panels
+
+
+cdef inline void _qlinear_block(const qgroup *g, int b) noexcept nogil:
+    """Row block b of a _qlinear_group call."""
+    cdef int i = 0, m, c, n0, nb
+    while g.first[i + 1] <= b:
+        i = i + 1
+    n0 = (b - g.first[i]) * g.rb
+    nb = g.Ns[i] - n0 if g.Ns[i] - n0 < g.rb else g.rb
+    if g.panels != NULL:
+        coli_gemm_tokens(g.panels, g.M, <const float *>g.ms[i].w + <long>n0 * g.K, g.K, nb, g.K, g.Ys[i] + n0,
+                         g.Ns[i])
+    else:
+        coli_gemm_any(&g.a, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
+    if g.Bs[i] != NULL:
+        for m in range(g.M):
+            for c in range(nb):
+                g.Ys[i][m * g.Ns[i] + n0 + c] += g.Bs[i][n0 + c]
+
+
+cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) except -1:
     """The body of qlinear (one matrix) and qlinear_many."""
-    cdef int M = x.shape[0], K = x.shape[1], n = len(mats), i, b, n0, nb, m, c, total = 0
-    cdef coli_mat ms[MAX_MANY]
-    cdef float *Ys[MAX_MANY]
-    cdef const float *Bs[MAX_MANY]
-    cdef int Ns[MAX_MANY]
-    cdef int first[MAX_MANY + 1]
-    cdef float[:, ::1] o
-    cdef const float[::1] bv
+    cdef qgroup g
+    cdef const float *xp = <const float *>_arr(x, cnp.NPY_FLOAT32, 2, False, "qlinear: x")
+    cdef int8_t *qp = <int8_t *>_arr(xq, cnp.NPY_INT8, 2, True, "qlinear: xq")
+    cdef float *qdp = <float *>_arr(xqd, cnp.NPY_FLOAT32, 2, True, "qlinear: xqd")
+    cdef int32_t *qsp = <int32_t *>_arr(xqs, cnp.NPY_INT32, 2, True, "qlinear: xqs")
+    cdef int M = _dim(x, 0), K = _dim(x, 1), n = len(mats), i, b, total = 0
     cdef QMatrix w
     if not 0 < n <= MAX_MANY or len(outs) != n or len(biases) != n:
         raise ValueError("qlinear: 1 to 8 matrices, one output and one bias (or None) each")
-    cdef int fmt = (<QMatrix>mats[0]).fmt
+    cdef int fmt = (<QMatrix?>mats[0]).fmt
     cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4
+    g.n, g.M, g.K = n, M, K
     for i in range(n):
         w = <QMatrix?>mats[i]
         o = outs[i]
-        if w.fmt != fmt or w.cols != K or o.shape[0] != M or o.shape[1] != w.rows:
+        g.Ys[i] = <float *>_arr(o, cnp.NPY_FLOAT32, 2, True, "qlinear: out")
+        if w.fmt != fmt or w.cols != K or _dim(o, 0) != M or _dim(o, 1) != w.rows:
             raise ValueError(f"qlinear: matrix {i} is {w.format} ({w.rows}, {w.cols}), x ({M}, {K}), "
-                             f"out ({o.shape[0]}, {o.shape[1]})")
-        ms[i], Ns[i] = w.m, w.rows
-        Ys[i] = &o[0, 0] if M > 0 else NULL
-        Bs[i] = NULL
+                             f"out ({_dim(o, 0)}, {_dim(o, 1)})")
+        g.ms[i], g.Ns[i] = w.m, w.rows
+        g.Bs[i] = NULL
         if biases[i] is not None:
-            bv = biases[i]
-            if bv.shape[0] != w.rows:
+            g.Bs[i] = <const float *>_arr(biases[i], cnp.NPY_FLOAT32, 1, False, "qlinear: bias")
+            if _dim(biases[i], 0) != w.rows:
                 raise ValueError("qlinear: bias length != out features")
-            Bs[i] = &bv[0]
-    if quant and (xq.shape[0] < M or xq.shape[1] != padded(K) or xqd.shape[0] < M or xqs.shape[0] < M):
+    cdef int kp = padded(K)
+    if quant and (_dim(xq, 0) < M or _dim(xq, 1) != kp or _dim(xqd, 0) < M or _dim(xqd, 1) != kp // QK
+                  or _dim(xqs, 0) < M or _dim(xqs, 1) != kp // QK):
         raise ValueError("qlinear: activation scratch too small")
     if M == 0:
         return 0
-    cdef float *panels = NULL
+    g.panels = NULL
     if fmt == COLI_F32 and M >= PANEL_MIN_ROWS:
-        panels = _panel_scratch(_panel_floats(M, K))
-    cdef int rb = 2 * ROW_BLOCK if panels != NULL else ROW_BLOCK
+        g.panels = _panel_scratch(_panel_floats(M, K))
+    g.rb = 2 * ROW_BLOCK if g.panels != NULL else ROW_BLOCK
     for i in range(n):
-        first[i] = total
-        total += (Ns[i] + rb - 1) // rb
-    first[n] = total
-    cdef coli_act a = _activations(&x[0, 0], K, NULL, NULL, NULL, 0, 0)
+        g.first[i] = total
+        total += (g.Ns[i] + g.rb - 1) // g.rb
+    g.first[n] = total
+    g.a = _activations(xp, K, NULL, NULL, NULL, 0, 0)
     if quant:
-        a = _activations(&x[0, 0], K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
-    cdef int nt = _team(<long>M * K * total * rb // 4)
+        g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
+    cdef int nt = _team(<long>M * K * total * g.rb // 4)
     with nogil:
         if quant:
-            _quantize_rows(&x[0, 0], K, M, K, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
-        if panels != NULL:
-            coli_pack_tokens(&x[0, 0], K, M, K, panels)
-        for b in prange(total, num_threads=nt, schedule='static'):
-            i = 0
-            while first[i + 1] <= b:
-                i = i + 1
-            n0 = (b - first[i]) * rb
-            nb = Ns[i] - n0 if Ns[i] - n0 < rb else rb
-            if panels != NULL:
-                coli_gemm_tokens(panels, M, <const float *>ms[i].w + <long>n0 * K, K, nb, K, Ys[i] + n0, Ns[i])
-            else:
-                coli_gemm_any(&a, M, &ms[i], n0, nb, K, Ys[i], Ns[i])
-            if Bs[i] != NULL:
-                for m in range(M):
-                    for c in range(nb):
-                        Ys[i][m * Ns[i] + n0 + c] += Bs[i][n0 + c]
+            _quantize_rows(xp, K, M, K, qp, qdp, qsp)
+        if g.panels != NULL:
+            coli_pack_tokens(xp, K, M, K, <float *>g.panels)
+        if nt == 1:
+            for b in range(total):
+                _qlinear_block(&g, b)
+        else:
+            for b in prange(total, num_threads=nt, schedule='static'):
+                _qlinear_block(&g, b)
     return 0
 
 
@@ -217,96 +242,205 @@ cdef class ExpertTable:
         return tuple(self._keep[3 * e: 3 * e + 3])
 
 
-def moe_scratch_ints(int M, int k, int E, int inter, int hidden):
-    """Length of the int32 scratch moe_experts needs for M tokens."""
-    cdef long pairs = <long>M * k
+cdef long _moe_ints(long rows, int k, int E, int inter, int hidden):
+    """Length of the int32 scratch moe_experts needs for ``rows`` tokens."""
+    cdef long pairs = rows * k
     cdef long active = pairs if pairs < E else E
     cdef long items = active * ((inter + ROW_BLOCK - 1) // ROW_BLOCK + (hidden + ROW_BLOCK - 1) // ROW_BLOCK)
     return 4 * E + 1 + 2 * pairs + 2 * items
 
 
-def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:, ::1] weights,
-                ExpertTable table, float[:, ::1] out, float[:, ::1] xg, float[:, ::1] gbuf,
-                float[:, ::1] ubuf, float[:, ::1] ybuf, int32_t[::1] iscratch, int64_t[::1] counts,
-                int act, int8_t[:, ::1] xq, float[:, ::1] xqd, int32_t[:, ::1] xqs,
-                int8_t[:, ::1] hq, float[:, ::1] hqd, int32_t[:, ::1] hqs,
-                const uint8_t[::1] active=None, bint combine=True):
-    """out[m] += sum_j weights[m, j] * expert_{idx[m, j]}(x[m]), each expert a gated MLP
-    down(act(gate(x)) * up(x)) with its matrices from ``table``.
+cdef class MoEScratch:
+    """moe_experts' working memory for up to ``rows`` tokens, each routed to ``k`` of
+    ``n_experts`` experts of size (hidden, inter): one row per (token, expert) pair of
+    gathered inputs xg and expert outputs y (hidden), gate and up activations g, u
+    (inter), their int8 quantizations for int8/int4 experts (xq/xqd/xqs, hq/hqd/hqs, see
+    quantize_rows), and the routing ints. Allocated once and reused by every call (the
+    MoE layers of a model share one); moe_experts only checks that it fits."""
+    cdef readonly int rows, k, n_experts, hidden, inter
+    cdef readonly tuple arrays  # xg, g, u, y, xq, xqd, xqs, hq, hqd, hqs, ints
+    cdef float *xg
+    cdef float *g
+    cdef float *u
+    cdef float *y
+    cdef int8_t *xq
+    cdef float *xqd
+    cdef int32_t *xqs
+    cdef int8_t *hq
+    cdef float *hqd
+    cdef int32_t *hqs
+    cdef int *ints
+
+    def __init__(self, int rows, int k, int n_experts, int hidden, int inter):
+        if rows < 0 or k <= 0 or n_experts <= 0 or hidden <= 0 or inter <= 0:
+            raise ValueError(f"MoEScratch: bad shape ({rows}, {k}, {n_experts}, {hidden}, {inter})")
+        cdef long n = <long>rows * k
+        cdef int hp = padded(hidden), ip = padded(inter)
+        f, i8, i32 = np.float32, np.int8, np.int32
+        self.arrays = (np.empty((n, hidden), f), np.empty((n, inter), f), np.empty((n, inter), f),
+                       np.empty((n, hidden), f), np.empty((n, hp), i8), np.empty((n, hp // QK), f),
+                       np.empty((n, hp // QK), i32), np.empty((n, ip), i8), np.empty((n, ip // QK), f),
+                       np.empty((n, ip // QK), i32), np.empty(_moe_ints(rows, k, n_experts, inter, hidden), i32))
+        a = self.arrays
+        self.xg, self.g, self.u, self.y = (<float *>_arr(a[0], cnp.NPY_FLOAT32, 2, True, ""),
+                                           <float *>_arr(a[1], cnp.NPY_FLOAT32, 2, True, ""),
+                                           <float *>_arr(a[2], cnp.NPY_FLOAT32, 2, True, ""),
+                                           <float *>_arr(a[3], cnp.NPY_FLOAT32, 2, True, ""))
+        self.xq, self.xqd, self.xqs = (<int8_t *>_arr(a[4], cnp.NPY_INT8, 2, True, ""),
+                                       <float *>_arr(a[5], cnp.NPY_FLOAT32, 2, True, ""),
+                                       <int32_t *>_arr(a[6], cnp.NPY_INT32, 2, True, ""))
+        self.hq, self.hqd, self.hqs = (<int8_t *>_arr(a[7], cnp.NPY_INT8, 2, True, ""),
+                                       <float *>_arr(a[8], cnp.NPY_FLOAT32, 2, True, ""),
+                                       <int32_t *>_arr(a[9], cnp.NPY_INT32, 2, True, ""))
+        self.ints = <int *>_arr(a[10], cnp.NPY_INT32, 1, True, "")
+        self.rows, self.k, self.n_experts, self.hidden, self.inter = rows, k, n_experts, hidden, inter
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays)
+
+
+cdef struct moe_job:
+    # what the parallel phases of moe_experts read
+    const coli_mat *mats   # the table's (E, 3): gate, up, down
+    int H, inter, rb, act
+    const int *cnt         # (E,) tokens per expert
+    const int *offs        # (E+1,) first row of each expert in xg
+    const int *poff        # (E,) first panel row of each packed expert, or -1
+    float *g
+    float *u
+    float *y
+    coli_act ax, ah        # the gathered inputs and the hidden activations, quantized or not
+    const float *panels
+
+
+cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
+    """Work item e * 65536 + b of phase 1: rows [b*rb, b*rb + rb) of expert e's gate and up
+    for its tokens, then g = act(g) * u there."""
+    cdef int e = item // 65536, n0 = (item % 65536) * j.rb, r, c
+    cdef int nb = j.inter - n0 if j.inter - n0 < j.rb else j.rb
+    cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
+    cdef coli_act sub = _rows(j.ax, off)
+    cdef const float *Wf
+    cdef float *g = j.g + <long>off * I
+    cdef float *u = j.u + <long>off * I
+    if j.poff[e] >= 0:
+        Wf = <const float *>j.mats[3 * e].w
+        coli_gemm_tokens(j.panels + <long>j.poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, g + n0, I)
+        Wf = <const float *>j.mats[3 * e + 1].w
+        coli_gemm_tokens(j.panels + <long>j.poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, u + n0, I)
+    else:
+        coli_gemm_any(&sub, ne, &j.mats[3 * e], n0, nb, H, g, I)
+        coli_gemm_any(&sub, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
+    for r in range(ne):
+        for c in range(n0, n0 + nb):
+            g[r * I + c] = _act(g[r * I + c], j.act) * u[r * I + c]
+
+
+cdef void _moe_down(const moe_job *j, int item) noexcept nogil:
+    """Work item e * 65536 + b of phase 2: rows [b*rb, b*rb + rb) of expert e's down."""
+    cdef int e = item // 65536, n0 = (item % 65536) * j.rb
+    cdef int nb = j.H - n0 if j.H - n0 < j.rb else j.rb
+    cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
+    cdef coli_act sub = _rows(j.ah, off)
+    cdef const float *Wf
+    if j.poff[e] >= 0:
+        Wf = <const float *>j.mats[3 * e + 2].w
+        coli_gemm_tokens(j.panels + <long>j.poff[e] * I, ne, Wf + <long>n0 * I, I, nb, I,
+                         j.y + <long>off * H + n0, H)
+    else:
+        coli_gemm_any(&sub, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
+
+
+def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, counts, int act,
+                active=None, bint combine=True):
+    """out[m] = sum_j weights[m, j] * expert_{idx[m, j]}(x[m]), each expert a gated MLP
+    down(act(gate(x)) * up(x)) (act: 0 silu, 1 gelu_tanh) with its matrices from
+    ``table``. Returns the number of distinct experts the tokens are routed to.
 
     Tokens are grouped by expert so each expert's weights are read once for all of
     its tokens; the (expert, row block) work items of all experts are spread over the
-    threads together. With ``active`` (E,) only the marked experts are computed (their
-    table entries must be valid; the others' need not be); ``combine`` then adds the
-    weighted expert outputs of all pairs into out and grows counts[e] by the tokens
-    routed to e. Calling it once per group of experts with combine only on the last
-    call gives bit-identical results to one call: the rows of ybuf persist between
-    calls and the final sum runs in one fixed order.
-    Scratch: xg, ybuf (M*k, hidden); gbuf, ubuf (M*k, inter); iscratch
-    (moe_scratch_ints); for int8/int4 tables, xq/xqd/xqs and hq/hqd/hqs hold the
-    quantized gathered inputs and hidden activations (see quantize_rows)."""
-    cdef int M = x.shape[0], H = x.shape[1], k = idx.shape[1], E = table.n_experts, inter = table.inter
+    threads together. With ``active`` (E,) uint8 only the marked experts are computed
+    (their table entries must be valid; the others' need not be); ``combine`` then
+    writes the weighted sum of the expert outputs of all pairs into out and grows
+    counts[e] by the tokens routed to e. Calling it once per group of experts with
+    combine only on the last call gives bit-identical results to one call: the expert
+    outputs persist in ``scratch`` between calls and the final sum runs in one fixed
+    order.
+    x, out (M, hidden) and weights (M, k) float32; idx (M, k) int32; counts (E,) int64;
+    scratch: a MoEScratch of the table's shape and k, for at least M tokens."""
+    cdef const float *xp = <const float *>_arr(x, cnp.NPY_FLOAT32, 2, False, "moe_experts: x")
+    cdef const int32_t *ip = <const int32_t *>_arr(idx, cnp.NPY_INT32, 2, False, "moe_experts: idx")
+    cdef const float *wp = <const float *>_arr(weights, cnp.NPY_FLOAT32, 2, False, "moe_experts: weights")
+    cdef float *op = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "moe_experts: out")
+    cdef int64_t *counts_p = <int64_t *>_arr(counts, cnp.NPY_INT64, 1, True, "moe_experts: counts")
+    cdef int M = _dim(x, 0), H = _dim(x, 1), k = _dim(idx, 1), E = table.n_experts, inter = table.inter
     cdef int pairs = M * k
     cdef bint quant = table.fmt == COLI_Q8 or table.fmt == COLI_Q4
-    if M == 0:
-        return
-    if H != table.hidden or weights.shape[0] != M or weights.shape[1] != k or out.shape[0] != M or out.shape[1] != H:
+    if (H != table.hidden or _dim(idx, 0) != M or _dim(weights, 0) != M or _dim(weights, 1) != k
+            or _dim(out, 0) != M or _dim(out, 1) != H):
         raise ValueError("moe_experts: shape mismatch")
-    if counts.shape[0] != E:
+    if _dim(counts, 0) != E:
         raise ValueError("moe_experts: counts length != experts")
-    if (xg.shape[0] < pairs or xg.shape[1] != H or ybuf.shape[0] < pairs or ybuf.shape[1] != H
-            or gbuf.shape[0] < pairs or gbuf.shape[1] != inter or ubuf.shape[0] < pairs
-            or ubuf.shape[1] != inter or iscratch.shape[0] < moe_scratch_ints(M, k, E, inter, H)):
-        raise ValueError("moe_experts: scratch too small")
-    if quant and (xq.shape[0] < pairs or xq.shape[1] != padded(H) or hq.shape[0] < pairs
-                  or hq.shape[1] != padded(inter)):
-        raise ValueError("moe_experts: quantization scratch too small")
-    cdef int *cnt = <int *>&iscratch[0]      # (E,) tokens per expert
+    if (scratch.rows < M or scratch.k != k or scratch.n_experts != E or scratch.hidden != H
+            or scratch.inter != inter):
+        raise ValueError(f"moe_experts: scratch is for {scratch.rows} tokens x {scratch.k} of {scratch.n_experts} "
+                         f"experts ({scratch.hidden}, {scratch.inter}), not {M} x {k} of {E} ({H}, {inter})")
+    cdef const uint8_t *on = NULL
+    if active is not None:
+        on = <const uint8_t *>_arr(active, cnp.NPY_UINT8, 1, False, "moe_experts: active")
+        if _dim(active, 0) != E:
+            raise ValueError("moe_experts: active mask length != experts")
+    cdef int m, j, e, b, p, it, n1 = 0, n2 = 0, used = 0
+    for p in range(pairs):
+        if not 0 <= ip[p] < E:
+            raise ValueError(f"moe_experts: expert id {ip[p]} out of range")
+    if M == 0:
+        return 0
+    cdef int *cnt = scratch.ints             # (E,) tokens per expert
     cdef int *offs = cnt + E                 # (E+1,) first row of each expert in xg
     cdef int *fill = offs + E + 1            # (E,)
     cdef int *slot = fill + E                # (M*k,) row of (m, j) in xg
     cdef int *poff = slot + pairs            # (E,) first panel row of each packed expert, or -1
     cdef int *it1 = poff + E                 # work items, phase 1 then phase 2
-    cdef int m, j, e, b, r, c, p, it, n0, nb, ne, off, n1 = 0, n2 = 0
-    cdef float w
-    cdef coli_act ax = _activations(&xg[0, 0], H, NULL, NULL, NULL, 0, 0)
-    cdef coli_act ah = _activations(&gbuf[0, 0], inter, NULL, NULL, NULL, 0, 0)
-    cdef coli_act sub
+    cdef float *xg = scratch.xg
+    cdef moe_job job
+    job.mats, job.H, job.inter, job.act = table.mats, H, inter, act
+    job.cnt, job.offs, job.poff = cnt, offs, poff
+    job.g, job.u, job.y = scratch.g, scratch.u, scratch.y
+    job.ax = _activations(xg, H, NULL, NULL, NULL, 0, 0)
+    job.ah = _activations(scratch.g, inter, NULL, NULL, NULL, 0, 0)
+    if quant:
+        job.ax = _activations(xg, H, scratch.xq, scratch.xqd, scratch.xqs, padded(H), padded(H) // QK)
+        job.ah = _activations(scratch.g, inter, scratch.hq, scratch.hqd, scratch.hqs, padded(inter),
+                              padded(inter) // QK)
     # rows per work item; in decoding (few tokens per expert) longer runs of rows keep each
     # thread's weight reads sequential, which the hardware prefetcher streams best
     cdef int rb = 2 * ROW_BLOCK if table.fmt == COLI_F32 else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
+    job.rb = rb
     cdef int kmax = H if H > inter else inter
     # f32 experts with many tokens: their gathered rows packed into token panels
     cdef float *panels = (_panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if table.fmt == COLI_F32
                           else NULL)
+    job.panels = panels
     cdef int min_rows = PANEL_MIN_ROWS
-    cdef const float *Wf
-    if quant:
-        ax = _activations(&xg[0, 0], H, &xq[0, 0], &xqd[0, 0], &xqs[0, 0], xq.shape[1], xqd.shape[1])
-        ah = _activations(&gbuf[0, 0], inter, &hq[0, 0], &hqd[0, 0], &hqs[0, 0], hq.shape[1], hqd.shape[1])
-    for m in range(M):
-        for j in range(k):
-            if not 0 <= idx[m, j] < E:
-                raise ValueError(f"moe_experts: expert id {idx[m, j]} out of range")
-    if active is not None and active.shape[0] != E:
-        raise ValueError("moe_experts: active mask length != experts")
-    cdef const uint8_t *on = &active[0] if active is not None else NULL
+    cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
     with nogil:
         memset(cnt, 0, E * sizeof(int))
-        for m in range(M):
-            for j in range(k):
-                cnt[idx[m, j]] += 1
+        for p in range(pairs):
+            cnt[ip[p]] += 1
         offs[0] = 0
         for e in range(E):
             offs[e + 1] = offs[e] + cnt[e]
             fill[e] = offs[e]
+            used += cnt[e] > 0
             if combine:
-                counts[e] += cnt[e]
+                counts_p[e] += cnt[e]
         for m in range(M):
             for j in range(k):
-                e = idx[m, j]
+                e = ip[m * k + j]
                 slot[m * k + j] = fill[e]
-                memcpy(&xg[fill[e], 0], &x[m, 0], H * sizeof(float))
+                memcpy(xg + <long>fill[e] * H, xp + <long>m * H, H * sizeof(float))
                 fill[e] += 1
         for e in range(E):
             if cnt[e] > 0 and (on == NULL or on[e]):
@@ -319,58 +453,55 @@ def moe_experts(const float[:, ::1] x, const int32_t[:, ::1] idx, const float[:,
                     it1[n1 + n2] = e * 65536 + b
                     n2 = n2 + 1
         if quant:
-            _quantize_rows(&xg[0, 0], H, pairs, H, &xq[0, 0], &xqd[0, 0], &xqs[0, 0])
+            _quantize_rows(xg, H, pairs, H, scratch.xq, scratch.xqd, scratch.xqs)
         p = 0
         for e in range(E):
             poff[e] = -1
             if panels != NULL and cnt[e] >= min_rows and (on == NULL or on[e]):
                 poff[e] = p
-                coli_pack_tokens(&xg[offs[e], 0], H, cnt[e], H, panels + <long>p * H)
+                coli_pack_tokens(xg + <long>offs[e] * H, H, cnt[e], H, panels + <long>p * H)
                 p = p + (cnt[e] + COLI_NP - 1) // COLI_NP * COLI_NP
-    with nogil, parallel(num_threads=_nthreads):
-        for it in prange(n1, schedule='dynamic'):
-            e = it1[it] // 65536
-            n0 = (it1[it] % 65536) * rb
-            nb = inter - n0 if inter - n0 < rb else rb
-            ne = cnt[e]
-            off = offs[e]
-            sub = _rows(ax, off)
-            if poff[e] >= 0:
-                Wf = <const float *>table.mats[3 * e].w
-                coli_gemm_tokens(panels + <long>poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, &gbuf[off, n0], inter)
-                Wf = <const float *>table.mats[3 * e + 1].w
-                coli_gemm_tokens(panels + <long>poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, &ubuf[off, n0], inter)
-            else:
-                coli_gemm_any(&sub, ne, &table.mats[3 * e], n0, nb, H, &gbuf[off, 0], inter)
-                coli_gemm_any(&sub, ne, &table.mats[3 * e + 1], n0, nb, H, &ubuf[off, 0], inter)
-            for r in range(ne):
-                for c in range(nb):
-                    gbuf[off + r, n0 + c] = _act(gbuf[off + r, n0 + c], act) * ubuf[off + r, n0 + c]
-    with nogil:
+        if nt == 1:
+            for it in range(n1):
+                _moe_up(&job, it1[it])
+        else:
+            for it in prange(n1, num_threads=nt, schedule='dynamic'):
+                _moe_up(&job, it1[it])
         if quant:
-            _quantize_rows(&gbuf[0, 0], inter, pairs, inter, &hq[0, 0], &hqd[0, 0], &hqs[0, 0])
+            _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
         for e in range(E):
             if poff[e] >= 0:
-                coli_pack_tokens(&gbuf[offs[e], 0], inter, cnt[e], inter, panels + <long>poff[e] * inter)
-    with nogil, parallel(num_threads=_nthreads):
-        for it in prange(n2, schedule='dynamic'):
-            e = it1[n1 + it] // 65536
-            n0 = (it1[n1 + it] % 65536) * rb
-            nb = H - n0 if H - n0 < rb else rb
-            ne = cnt[e]
-            off = offs[e]
-            sub = _rows(ah, off)
-            if poff[e] >= 0:
-                Wf = <const float *>table.mats[3 * e + 2].w
-                coli_gemm_tokens(panels + <long>poff[e] * inter, ne, Wf + <long>n0 * inter, inter, nb, inter,
-                                 &ybuf[off, n0], H)
-            else:
-                coli_gemm_any(&sub, ne, &table.mats[3 * e + 2], n0, nb, inter, &ybuf[off, 0], H)
+                coli_pack_tokens(scratch.g + <long>offs[e] * inter, inter, cnt[e], inter,
+                                 panels + <long>poff[e] * inter)
+        if nt == 1:
+            for it in range(n2):
+                _moe_down(&job, it1[n1 + it])
+        else:
+            for it in prange(n2, num_threads=nt, schedule='dynamic'):
+                _moe_down(&job, it1[n1 + it])
     if not combine:
-        return
-    for m in prange(M, nogil=True, num_threads=_team(<long>M * k * H), schedule='static'):
-        for j in range(k):
-            p = slot[m * k + j]
-            w = weights[m, j]
-            for c in range(H):
-                out[m, c] += w * ybuf[p, c]
+        return used
+    with nogil:
+        nt = _team(<long>M * k * H)
+        if nt == 1:
+            for m in range(M):
+                _moe_combine(op + <long>m * H, wp + <long>m * k, slot + m * k, k, scratch.y, H)
+        else:
+            for m in prange(M, num_threads=nt, schedule='static'):
+                _moe_combine(op + <long>m * H, wp + <long>m * k, slot + m * k, k, scratch.y, H)
+    return used
+
+
+cdef inline void _moe_combine(float *out, const float *weights, const int *slot, int k, const float *y,
+                              int H) noexcept nogil:
+    """out = sum_j weights[j] * y[slot[j]], added in order j = 0, 1, ... from zero."""
+    cdef int j, c
+    cdef const float *yr
+    cdef float w
+    for c in range(H):
+        out[c] = 0
+    for j in range(k):
+        w = weights[j]
+        yr = y + <long>slot[j] * H
+        for c in range(H):
+            out[c] += w * yr[c]

@@ -33,11 +33,15 @@ class RunState:
 
     ``get(name, rows, width)`` returns a C-contiguous (rows, width) float32 view of
     a buffer that is reallocated only when a step needs more rows than ever before
-    (capacity doubles), so steady-state decoding allocates nothing."""
+    (capacity doubles), so steady-state decoding allocates nothing. ``views`` gets
+    several at once for a layer that asks for the same ones every step, and
+    ``moe_scratch`` the MoE kernel's working memory."""
 
     def __init__(self):
         self._bufs: dict[str, np.ndarray] = {}
         self._views: dict[tuple, np.ndarray] = {}  # (name, rows, width, dtype) -> view of _bufs[name]
+        self._groups: dict[tuple, tuple] = {}  # (owner, rows) -> views(owner, rows, ...)
+        self._moe: dict[tuple, K.MoEScratch] = {}  # (k, experts, hidden, inter) -> the largest yet
 
     def get(self, name: str, rows: int, width: int, dtype=np.float32) -> np.ndarray:
         key = (name, rows, width, dtype)
@@ -51,13 +55,34 @@ class RunState:
             buf = np.empty(cap, dtype=dtype)
             self._bufs[name] = buf
             self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+            self._groups.clear()
         if len(self._views) > 4096:  # many distinct prefill lengths: start over
             self._views.clear()
+            self._groups.clear()
         view = self._views[key] = buf[:need].reshape(rows, width)
         return view
 
+    def views(self, owner: object, rows: int, specs: tuple[tuple[str, int, type], ...]) -> tuple[np.ndarray, ...]:
+        """``get(name, rows, width, dtype)`` for each (name, width, dtype) of specs, remembered
+        under (owner, rows): one lookup for the buffers a layer asks for every step. An
+        owner must pass the same specs each time (distinct names)."""
+        got = self._groups.get((owner, rows))
+        if got is None:
+            got = tuple(self.get(name, rows, width, dtype) for name, width, dtype in specs)
+            self._groups[owner, rows] = got  # after the gets: a reallocation among them clears _groups
+        return got
+
+    def moe_scratch(self, rows: int, k: int, E: int, H: int, I: int) -> K.MoEScratch:
+        """Scratch for ``K.moe_experts`` of at least ``rows`` tokens, shared by the MoE layers
+        of one shape; regrown (capacity doubles) when a step needs more."""
+        key = (k, E, H, I)
+        s = self._moe.get(key)
+        if s is None or s.rows < rows:
+            s = self._moe[key] = K.MoEScratch(max(rows, 2 * s.rows if s is not None else 0), k, E, H, I)
+        return s
+
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bufs.values())
+        return sum(b.nbytes for b in self._bufs.values()) + sum(s.nbytes for s in self._moe.values())
 
 
 @dataclass
@@ -76,12 +101,11 @@ class Linear:
 
     def __init__(self, mat: K.QMatrix, bias: np.ndarray | None = None):
         self.mat, self.bias = mat, bias
-        self.kp = K.padded(mat.cols)
+        kp = K.padded(mat.cols)  # qlinear's int8 activation scratch: (M, kp), (M, kp/32) x 2
+        self.scratch = (("xq", kp, np.int8), ("xqd", kp // 32, np.float32), ("xqs", kp // 32, np.int32))
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rs: RunState) -> None:
-        M, nb = len(x), self.kp // 32
-        K.qlinear(x, self.mat, out, self.bias, rs.get("xq", M, self.kp, np.int8), rs.get("xqd", M, nb),
-                  rs.get("xqs", M, nb, np.int32))
+        K.qlinear(x, self.mat, out, self.bias, *rs.views(self, len(x), self.scratch))
 
 
 class LinearGroup:
@@ -93,7 +117,7 @@ class LinearGroup:
         self.linears = linears
         self.mats = tuple(l.mat for l in linears)
         self.biases = tuple(l.bias for l in linears)
-        self.kp = linears[0].kp
+        self.scratch = linears[0].scratch
         self.fused = len({(m.fmt, m.cols) for m in self.mats}) == 1
 
     def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rs: RunState) -> None:
@@ -101,14 +125,15 @@ class LinearGroup:
             for lin, out in zip(self.linears, outs):
                 lin(x, out, rs)
             return
-        M, nb = len(x), self.kp // 32
-        K.qlinear_many(x, self.mats, outs, self.biases, rs.get("xq", M, self.kp, np.int8), rs.get("xqd", M, nb),
-                       rs.get("xqs", M, nb, np.int32))
+        K.qlinear_many(x, self.mats, outs, self.biases, *rs.views(self, len(x), self.scratch))
 
 
 class Attention:
     """Multi-head attention with GQA, optional q/k RMSNorm (per head or over the whole
-    projection), optional biases, optional clipping, RoPE on the first rot_dim dims."""
+    projection), optional biases, optional clipping, RoPE on the first rot_dim dims.
+
+    Norms, RoPE and the cache write run as one kernel (``K.attention_front``) unless
+    q, k and v are clipped, which comes between the norms and RoPE."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, qkv_bias: bool, o_bias: bool,
                  qk_norm: str | None, clip_qkv: float | None = None, layer: int = 0, scale: float | None = None,
@@ -121,6 +146,7 @@ class Attention:
         self.o_proj = w.linear(f"{prefix}.o_proj.weight", H, nh * hd, o_bias)  # (H, nh*hd)
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
         self.qk_norm = qk_norm
+        self.q_norm = self.k_norm = None
         if qk_norm == "head":
             self.q_norm, self.k_norm = w(f"{prefix}.q_norm.weight", hd), w(f"{prefix}.k_norm.weight", hd)
         elif qk_norm == "full":
@@ -133,13 +159,27 @@ class Attention:
         self.scale = hd ** -0.5 if scale is None else scale
         self.window, self.softcap = cfg.window_for(layer), softcap
         self.k_width = self.v_width = nkv * hd  # floats per token in the KV cache
+        self.front = None if clip_qkv is not None else K.AttentionFront(
+            nh, nkv, hd, self.rot_dim, self.inv_freq, self.rope_scaling, qk_norm, self.q_norm, self.k_norm,
+            self.eps, unit_offset)
+        f32 = np.float32
+        # q (M, nh*hd), k and v (M, nkv*hd), the attention output (M, nh*hd)
+        self.bufs = (("q", nh * hd, f32), ("k", nkv * hd, f32), ("v", nkv * hd, f32), ("attn", nh * hd, f32))
 
     def __call__(self, x: np.ndarray, batch: Batch, layer: int, rs: RunState, out: np.ndarray) -> None:
-        M = len(x)
-        q = rs.get("q", M, self.nh * self.hd)  # (M, nh*hd)
-        k = rs.get("k", M, self.nkv * self.hd)  # (M, nkv*hd)
-        v = rs.get("v", M, self.nkv * self.hd)
+        q, k, v, a = rs.views(self, len(x), self.bufs)
         self.qkv(x, (q, k, v), rs)
+        if self.front is not None:
+            K.attention_front(self.front, q, k, v, batch.pos, batch.kptr, batch.vptr, layer)
+        else:
+            self._front_clipped(q, k, v, batch, layer)
+        K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
+                    self.hd, self.scale, self.window, self.softcap)
+        self.o_proj(a, out, rs)
+
+    def _front_clipped(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: Batch, layer: int) -> None:
+        """attention_front's work with clip_qkv, kernel by kernel."""
+        M = len(q)
         if self.qk_norm == "head":
             qh, kh = q.reshape(M * self.nh, self.hd), k.reshape(M * self.nkv, self.hd)
             K.rmsnorm(qh, self.q_norm, self.eps, qh, self.unit)
@@ -147,16 +187,11 @@ class Attention:
         elif self.qk_norm == "full":
             K.rmsnorm(q, self.q_norm, self.eps, q, self.unit)
             K.rmsnorm(k, self.k_norm, self.eps, k, self.unit)
-        if self.clip is not None:
-            for t in (q, k, v):
-                np.clip(t, -self.clip, self.clip, out=t)
+        for t in (q, k, v):
+            np.clip(t, -self.clip, self.clip, out=t)
         K.rope(q, self.nh, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
         K.rope(k, self.nkv, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
         K.kv_write(k, v, batch.kptr[layer], batch.vptr[layer], batch.pos)
-        a = rs.get("attn", M, self.nh * self.hd)  # (M, nh*hd)
-        K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
-                    self.hd, self.scale, self.window, self.softcap)
-        self.o_proj(a, out, rs)
 
 
 class GatedMLP:
@@ -170,12 +205,11 @@ class GatedMLP:
         self.down = w.linear(f"{prefix}.{d}.weight", hidden, inter)  # (H, I)
         self.gate_up = LinearGroup(self.gate, self.up)
         self.inter, self.act = inter, act
+        self.bufs = (("mlp_g", inter, np.float32), ("mlp_u", inter, np.float32))  # (M, I) each
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
-        M = len(x)
-        g = rs.get("mlp_g", M, self.inter)  # (M, I)
-        u = rs.get("mlp_u", M, self.inter)
-        self.gate_up(x, (g, u), rs)
+        g, u = gu = rs.views(self, len(x), self.bufs)
+        self.gate_up(x, gu, rs)
         K.gated_act(g, u, g, self.act)
         self.down(g, out, rs)
 
@@ -203,28 +237,20 @@ class MoE:
         self.experts = w.experts(prefix, experts, names, E, H, I, self.k)
         self.table = self.experts.table
         self.next: MoE | None = None  # the next MoE layer, whose experts this one prefetches
-        self.kp_h, self.kp_i = K.padded(H), K.padded(I)
         self.counts = self.experts.counts  # (E,) tokens routed to each expert (heat), with history if stored
         self.last = np.zeros((0, self.k), dtype=np.int32)  # experts routed in the latest step
+        self.used = 0  # distinct experts routed in the latest step
+        # router logits (M, E), routed experts and their weights (M, k)
+        self.bufs = (("router", E, np.float32), ("moe_idx", self.k, np.int32), ("moe_w", self.k, np.float32))
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
-        M, k = len(x), self.k
-        logits = rs.get("router", M, self.E)  # (M, E)
+        M = len(x)
+        logits, idx, wts = rs.views(self, M, self.bufs)
         K.linear(x, self.router, logits)
-        idx = rs.get("moe_idx", M, k, np.int32)  # (M, k)
-        wts = rs.get("moe_w", M, k)  # (M, k)
         self.route(logits, idx, wts)
         if self.next is not None and self.next.experts.streamed:
             self._prefetch_next(x, rs)
-        out[:] = 0
-        n = M * k
-        bufs = (rs.get("moe_xg", n, self.H), rs.get("moe_g", n, self.inter), rs.get("moe_u", n, self.inter),
-                rs.get("moe_y", n, self.H),
-                rs.get("moe_i", 1, K.moe_scratch_ints(M, k, self.E, self.inter, self.H), np.int32)[0],
-                self.counts, self.act,
-                rs.get("moe_xq", n, self.kp_h, np.int8), rs.get("moe_xqd", n, self.kp_h // 32),
-                rs.get("moe_xqs", n, self.kp_h // 32, np.int32), rs.get("moe_hq", n, self.kp_i, np.int8),
-                rs.get("moe_hqd", n, self.kp_i // 32), rs.get("moe_hqs", n, self.kp_i // 32, np.int32))
+        scratch = rs.moe_scratch(M, self.k, self.E, self.H, self.inter)
         # Experts not resident are read in groups that fit the cache, the next group's reads
         # running while this one computes when both fit; the weighted sum runs once at the
         # end (same bits).
@@ -233,7 +259,8 @@ class MoE:
             self.experts.load(active)
             if i + 1 < len(groups):
                 self.experts.start(groups[i + 1], keep=active)
-            K.moe_experts(x, idx, wts, self.table, out, *bufs, active=active, combine=i == len(groups) - 1)
+            self.used = K.moe_experts(x, idx, wts, self.table, out, scratch, self.counts, self.act, active,
+                                      i == len(groups) - 1)
         self.last = idx.copy()
         if self.shared is not None:
             extra = rs.get("shared_out", M, self.H)  # (M, H)
@@ -288,6 +315,7 @@ class DecoderLM:
             self.lm_head = Linear(w.matrix("lm_head.weight", V, H, w.head_quant))  # (V, H)
         self.layers = layers
         self.phases = dict.fromkeys(("attention", "moe", "mlp", "lm_head"), 0.0)  # cumulative seconds
+        self.moe_layers: list[MoE] = [l.mlp for l in layers if isinstance(l.mlp, MoE)]
         moes = self.moe_layers
         for a, b in zip(moes, moes[1:]):
             a.next = b
@@ -295,40 +323,44 @@ class DecoderLM:
         self.embed_scale = 1.0
         self.unit_offset_norm = False  # Gemma's RMSNorm scales by (1 + weight)
         self.final_softcap = 0.0  # logits = cap * tanh(logits / cap) when set
-
-    @property
-    def moe_layers(self) -> list[MoE]:
-        return [l.mlp for l in self.layers if isinstance(l.mlp, MoE)]
+        H = cfg.hidden_size
+        # the residual stream x, a block's normed input h and its output o: (M, H) each
+        self.bufs = (("x", H, np.float32), ("h", H, np.float32), ("o", H, np.float32))
 
     def forward(self, batch: Batch, rs: RunState, logit_rows: np.ndarray) -> np.ndarray:
-        """Run one step; return the (len(logit_rows), vocab) logits of those rows."""
+        """Run one step; return the (len(logit_rows), vocab) logits of those rows
+        (increasing row indices)."""
         M, H = len(batch.ids), self.cfg.hidden_size
-        x = rs.get("x", M, H)  # (M, H) residual stream
-        h = rs.get("h", M, H)  # (M, H) normed input of a block
-        o = rs.get("o", M, H)  # (M, H) block output
+        x, h, o = rs.views(self, M, self.bufs)
         ph = self.phases
         K.embed_rows(batch.ids, self.embed, x, self.embed_scale)
         eps, unit = self.eps, self.unit_offset_norm
+        # each block's output o joins x in the kernel that norms the next block's input
         for i, layer in enumerate(self.layers):
             t0 = clock()
-            K.rmsnorm(x, layer.input_norm, eps, h, unit)
+            if i == 0:
+                K.rmsnorm(x, layer.input_norm, eps, h, unit)
+            else:
+                K.add_rmsnorm(x, o, layer.input_norm, eps, h, unit)
             layer.attn(h, batch, i, rs, o)
             if layer.attn_out_norm is not None:
                 K.rmsnorm(o, layer.attn_out_norm, eps, o, unit)
-            x += o
             t1 = clock()
-            K.rmsnorm(x, layer.post_norm, eps, h, unit)
+            K.add_rmsnorm(x, o, layer.post_norm, eps, h, unit)
             layer.mlp(h, rs, o)
             if layer.mlp_out_norm is not None:
                 K.rmsnorm(o, layer.mlp_out_norm, eps, o, unit)
-            x += o
             ph["attention"] += t1 - t0
             ph["moe" if isinstance(layer.mlp, MoE) else "mlp"] += clock() - t1
         t0 = clock()
         R = len(logit_rows)
         hr = rs.get("h_last", R, H)  # (R, H)
-        np.take(x, logit_rows, axis=0, out=hr)
-        K.rmsnorm(hr, self.norm, self.eps, hr, self.unit_offset_norm)
+        if R == M:  # every row (a decode step, or all logits)
+            K.add_rmsnorm(x, o, self.norm, eps, hr, unit)
+        else:
+            x += o
+            np.take(x, logit_rows, axis=0, out=hr)
+            K.rmsnorm(hr, self.norm, eps, hr, unit)
         logits = rs.get("logits", R, self.cfg.vocab_size)  # (R, V), valid until the next step
         self.lm_head(hr, logits, rs)
         if self.final_softcap:
