@@ -99,6 +99,19 @@ def test_one_token_step_builds_the_general_batch(hf_models):
     assert fast.kptr[1, 0] == cache.k[1].ctypes.data and fast.vptr[0, 0] == cache.v.ctypes.data
 
 
+def test_kv_cache_is_cache_line_aligned_and_keeps_its_contents_when_it_grows(hf_models):
+    eng = coli.load(hf_models("qwen3"), threads=1).engine
+    cache = eng.new_cache(capacity=4)
+    eng.step([(cache, prompt_ids(4))])
+    before = cache.k[:, :4].copy(), cache.v[:, :4].copy()
+    cache.reserve(9)
+    for a in (cache.k, cache.v):
+        assert a.ctypes.data % 64 == 0 and a.dtype == np.float32 and a.flags.c_contiguous and a.shape[1] == 16
+    np.testing.assert_array_equal(cache.k[:, :4], before[0])
+    np.testing.assert_array_equal(cache.v[:, :4], before[1])
+    assert not cache.k[:, 4:].any()
+
+
 def test_sharded_checkpoint(tmp_path):
     make_hf_model("qwen3_moe", tmp_path, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   max_shard_size="40KB")
