@@ -21,6 +21,7 @@ from coli.experts.store import parse_size
 
 
 def run(path, threads, a, label, **load):
+    bench.reset_peak_rss()  # each configuration's own peak, load included
     m = coli.load(path, threads=threads, **load)
     try:
         r = bench.run(m, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats, seed=a.seed,

@@ -78,6 +78,30 @@ def _copy(s: StepStats) -> StepStats:
 DECODE_MODES = ("greedy", "random")
 
 
+def reset_peak_rss() -> bool:
+    """Restart the process's peak-RSS count from its current RSS (Linux: /proc/self/clear_refs),
+    so that a benchmark running several configurations in one process reports each one's
+    own peak. Returns False where that is not possible (the peak then covers the process)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the start or the last reset_peak_rss()."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3, seed: int = 0,
         label: str = "", decode: str = "greedy") -> BenchResult:
     """Benchmark a loaded ``coli.Model``; ``decode`` is "greedy" or "random" (see above)."""
@@ -115,7 +139,7 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
             bytes_read_per_token=dec.bytes_read / gen_tokens,
             io_wait_s=dec.io_wait,
         ))
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the bandwidth probe's buffer
+    peak_rss = peak_rss_bytes()  # before the bandwidth probe's buffer
     per_token = weight_bytes_per_token(model)
     bw = memory_bandwidth()
     layers = model.engine.model.layers

@@ -69,3 +69,16 @@ def test_cli_random_decode_json(tiny):
 
 def test_cli_rejects_unknown_decode_mode(tiny):
     assert_one_line_error(coli_cli("bench", "--model", str(tiny), "--decode", "sampled"), "--decode", "greedy, random")
+
+
+def test_peak_rss_restarts_after_a_reset():
+    """bench_streaming runs several configurations in one process: after reset_peak_rss the
+    peak counts only what was resident since, not an earlier configuration's buffers."""
+    if not bench.reset_peak_rss():
+        pytest.skip("this kernel cannot reset the peak RSS count")
+    base = bench.peak_rss_bytes()
+    big = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
+    assert bench.peak_rss_bytes() >= base + (60 << 20)
+    del big
+    bench.reset_peak_rss()
+    assert bench.peak_rss_bytes() <= base + (16 << 20)
