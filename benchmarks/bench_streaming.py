@@ -14,21 +14,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
 
 import coli
 from coli import bench, synthetic
 from coli.experts.store import parse_size
 
 
-def run(path, threads, a, label, **load):
-    bench.reset_peak_rss()  # each configuration's own peak, load included
+def _run_here(path, threads, a, label, load):
     m = coli.load(path, threads=threads, **load)
     try:
-        r = bench.run(m, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats, seed=a.seed,
-                      label=label, decode=a.decode)
+        return bench.run(m, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats,
+                         seed=a.seed, label=label, decode=a.decode)
     finally:
         m.close()
-    return r
+
+
+def run(path, threads, a, label, **load):
+    """One configuration in a process of its own, so that its peak RSS and its page cache
+    footprint are its own (memory a previous model left to the allocator would count)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_run_here, path, threads, a, label, load).result()
 
 
 def main() -> None:

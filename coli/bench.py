@@ -78,20 +78,10 @@ def _copy(s: StepStats) -> StepStats:
 DECODE_MODES = ("greedy", "random")
 
 
-def reset_peak_rss() -> bool:
-    """Restart the process's peak-RSS count from its current RSS (Linux: /proc/self/clear_refs),
-    so that a benchmark running several configurations in one process reports each one's
-    own peak. Returns False where that is not possible (the peak then covers the process)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_rss_bytes() -> int:
-    """Peak resident set size since the start or the last reset_peak_rss()."""
+    """This process's peak resident set size. Linux: VmHWM of its own address space, since
+    getrusage's ru_maxrss carries a parent's peak over into a child started by fork + exec
+    (multiprocessing's spawn), which would report the parent's memory as the child's."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
