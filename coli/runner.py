@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coli._engine import kernels as K
 from coli.engine import Engine, KVCache, available_memory
 from coli.errors import InvalidRequestError
 from coli.kv.format import Layout
@@ -136,6 +137,10 @@ class Runner:
         self.steps = 0  # engine steps run (front ends use it to tell what changed)
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
+        # The kernels run on the runner's thread from now on: retire the OpenMP workers this
+        # thread started (loading runs kernels), or libgomp, counting more threads than cores,
+        # stops spin-waiting between parallel regions and a decode step takes twice as long.
+        K.release_threads()
         self._thread.start()
 
     # -- the front-end API -----------------------------------------------------------------------

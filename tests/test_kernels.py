@@ -493,3 +493,20 @@ def test_moe_experts_f32_many_tokens(min_rows):
     finally:
         K.set_panel_min_rows(48)
     np.testing.assert_allclose(out, R.moe_experts(x, idx, w, gate, up, down, 0), **TOL)
+
+
+def test_release_threads_retires_the_calling_threads_workers():
+    """The runner calls it before its thread takes over the kernels (see Runner.__init__)."""
+    import os
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    K.set_num_threads(2)
+    buf = np.ones(1 << 20, np.int64)
+    assert K.read_bytes(buf) == buf.size  # a parallel region: this thread's worker exists
+    before = tasks()
+    assert K.release_threads() == 0
+    assert tasks() == before - 1
+    assert K.read_bytes(buf) == buf.size  # the next region starts a fresh worker
+    assert tasks() == before

@@ -684,3 +684,19 @@ def read_bytes(const int64_t[::1] buf):
     for i in prange(n, nogil=True, num_threads=_nthreads, schedule='static'):
         total += buf[i]
     return total
+
+
+cdef extern from "omp.h" nogil:
+    ctypedef enum omp_pause_resource_t:
+        omp_pause_soft
+    int omp_pause_resource_all(omp_pause_resource_t kind)
+
+
+def release_threads():
+    """Retire the OpenMP worker threads the calling thread started (OpenMP 5's
+    omp_pause_resource_all). Call it before another thread takes over the kernels (the
+    runner's): libgomp counts the idle workers of every thread that ever ran a parallel
+    region, and once it counts more threads than cores, all of them stop spin-waiting
+    between regions, which halves a decode step on a small machine. The next parallel
+    region of the calling thread starts fresh workers. Returns 0 on success."""
+    return omp_pause_resource_all(omp_pause_soft)
