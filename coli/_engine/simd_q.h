@@ -137,6 +137,28 @@ static inline __m512i coli_lane_groups(int shift) {
             }                                                                                      \
         }
 
+/* The start of one chunk of a 512-bit tile (groups c0 .. c0 + cn, cn <= 16): the chunk's
+ * weight scales (wsv) and activation scales (xsv) loaded once as vectors, and the weight
+ * offset OFF (128 for Q8, 8 for Q4) times each group's activation sum and scales added to
+ * cor, for the groups done STEP at a time; with one token its scales are folded into the
+ * weights' here. */
+#define COLI_QCHUNK512(MR, NR, STEP, OFF)                                                          \
+            int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
+            __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
+            __mmask16 ce = (__mmask16)((1u << (cn & ~((STEP) - 1))) - 1u);                         \
+            __m512 wsv[NR], xsv[MR];                                                               \
+            for (int j = 0; j < NR; j++)                                                           \
+                wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
+            for (int i = 0; i < MR; i++) {                                                         \
+                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
+                __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
+                                              ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
+                xb = _mm512_mul_ps(xb, _mm512_set1_ps(OFF));                                       \
+                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
+            }                                                                                      \
+            if (MR == 1)                                                                           \
+                for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);
+
 /* Q8 on AVX-512: two groups (64 weights) per step, weights and activations in natural
  * order, so lanes 0-7 hold group b and lanes 8-15 group b + 1. dpbusd multiplies unsigned
  * by signed bytes, so the weights go in as w + 128 (one xor with 0x80): the products then
@@ -151,22 +173,7 @@ static inline __m512i coli_lane_groups(int shift) {
         const __m512i pat = coli_lane_groups(3), flip = _mm512_set1_epi8((char)0x80);              \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
-            /* one chunk: up to 16 groups, their scales loaded once as vectors */                 \
-            int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
-            __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
-            __mmask16 ce = (__mmask16)((1u << (cn & ~1)) - 1u); /* the groups done in pairs */    \
-            __m512 wsv[NR], xsv[MR];                                                               \
-            for (int j = 0; j < NR; j++)                                                           \
-                wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
-            for (int i = 0; i < MR; i++) {                                                         \
-                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
-                __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
-                                              ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
-                xb = _mm512_mul_ps(xb, _mm512_set1_ps(128.0f));                                    \
-                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
-            }                                                                                      \
-            if (MR == 1) /* one token: fold its scales into the weights' once per chunk */        \
-                for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
+            COLI_QCHUNK512(MR, NR, 2, 128.0f)                                                      \
             for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
                 __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i w[NR];                                                                     \
@@ -211,21 +218,7 @@ static inline __m512i coli_lane_groups(int shift) {
         const __m512i pat = coli_lane_groups(2), m4 = _mm512_set1_epi8(0x0F);                      \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 4 <= nb; c0 += 16) {                                                 \
-            int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
-            __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
-            __mmask16 ce = (__mmask16)((1u << (cn & ~3)) - 1u); /* the groups done in quads */    \
-            __m512 wsv[NR], xsv[MR];                                                               \
-            for (int j = 0; j < NR; j++)                                                           \
-                wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
-            for (int i = 0; i < MR; i++) {                                                         \
-                xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
-                __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
-                                              ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
-                xb = _mm512_mul_ps(xb, _mm512_set1_ps(8.0f));                                      \
-                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
-            }                                                                                      \
-            if (MR == 1)                                                                           \
-                for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);              \
+            COLI_QCHUNK512(MR, NR, 4, 8.0f)                                                        \
             for (b = c0; b + 4 <= c0 + cn; b += 4) {                                               \
                 __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i lo[NR], hi[NR];                                                            \
