@@ -382,8 +382,6 @@ cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int 
     cdef double ss[4]
     cdef float *rows[4]
     cdef int n = f.nh + f.nkv, qw = f.nh * f.hd, j, i, h
-    cdef float ang, c, s, x1, x2
-    cdef float *x
     if f.norm == QK_NORM_HEAD:  # n rows of hd floats (q's heads, then k's), four at a time
         for j in range(0, n, 4):
             for i in range(4):
@@ -403,16 +401,7 @@ cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int 
             ss[1] = ss[1] + <double>k[i] * k[i]
         _scale_row(q, qw, ss[0], f.eps, f.qw, f.off, q)
         _scale_row(k, kw, ss[1], f.eps, f.kw, f.off, k)
-    for i in range(f.half):  # RoPE, as in rope
-        ang = <float>pos * f.inv_freq[i]
-        c = <float>cos(ang) * f.scaling
-        s = <float>sin(ang) * f.scaling
-        for h in range(n):
-            x = q + h * f.hd if h < f.nh else k + (h - f.nh) * f.hd
-            x1 = x[i]
-            x2 = x[i + f.half]
-            x[i] = x1 * c - x2 * s
-            x[i + f.half] = x2 * c + x1 * s
+    _rope_row(q, f.nh, k, f.nkv, f.hd, f.half, pos, f.inv_freq, f.scaling)
     memcpy(kc + <long>pos * kw, k, kw * sizeof(float))  # kv_write
     if vw > 0:
         memcpy(vc + <long>pos * vw, v, vw * sizeof(float))
@@ -457,22 +446,31 @@ def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[
          const float[::1] inv_freq, float scaling=1.0):
     """Rotate the first rot_dim dims of every head of x (M, n_heads*head_dim) in place,
     GPT-NeoX style (rotate_half): pairs (i, i + rot_dim/2)."""
-    cdef int M = x.shape[0], half = rot_dim // 2, m, h, i
-    cdef float ang, c, s, x1, x2
-    cdef long base
+    cdef int M = x.shape[0], half = rot_dim // 2, m
     if x.shape[1] != n_heads * head_dim or inv_freq.shape[0] < half or pos.shape[0] != M:
         raise ValueError("rope: shape mismatch")
+    cdef const float *freq = &inv_freq[0] if half > 0 else NULL
     for m in prange(M, nogil=True, num_threads=_team(<long>M * half * (n_heads + 8)), schedule='static'):
-        for i in range(half):
-            ang = <float>pos[m] * inv_freq[i]          # float32 product, as transformers computes it
-            c = <float>cos(ang) * scaling
-            s = <float>sin(ang) * scaling
-            for h in range(n_heads):
-                base = h * head_dim
-                x1 = x[m, base + i]
-                x2 = x[m, base + i + half]
-                x[m, base + i] = x1 * c - x2 * s
-                x[m, base + i + half] = x2 * c + x1 * s
+        _rope_row(&x[m, 0], n_heads, NULL, 0, head_dim, half, pos[m], freq, scaling)
+
+
+cdef inline void _rope_row(float *q, int nq, float *k, int nk, int hd, int half, int pos, const float *inv_freq,
+                           float scaling) noexcept nogil:
+    """RoPE of one row: the nq heads of q, then the nk heads of k (hd floats apart), with
+    each angle's cos / sin computed once for all of them."""
+    cdef int i, h
+    cdef float ang, c, s, x1, x2
+    cdef float *x
+    for i in range(half):
+        ang = <float>pos * inv_freq[i]  # float32 product, as transformers computes it
+        c = <float>cos(ang) * scaling
+        s = <float>sin(ang) * scaling
+        for h in range(nq + nk):
+            x = q + h * hd if h < nq else k + (h - nq) * hd
+            x1 = x[i]
+            x2 = x[i + half]
+            x[i] = x1 * c - x2 * s
+            x[i + half] = x2 * c + x1 * s
 
 
 def kv_write(const float[:, ::1] k, const float[:, ::1] v, const int64_t[::1] kptr,
