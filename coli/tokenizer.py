@@ -29,6 +29,7 @@ from coli.errors import InvalidRequestError, ModelLoadError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order; further `*_token` keys are model-specific.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+LONG_TEXT = 1 << 16  # characters: longer texts are encoded with the GIL released (Tokenizer.encode)
 # Names a message's reasoning may come under; transformers copies it to all of the first two.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -159,7 +160,11 @@ class Tokenizer:
     # -- tokens ---------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies tokenizer.json's post-processor (e.g. BOS)."""
+        """Token ids of ``text``; ``add_special_tokens`` applies tokenizer.json's post-processor (e.g. BOS).
+        A long text goes through ``encode_batch``, which releases the GIL while it works (``encode``
+        holds it), so a server thread tokenizing it does not stall the others."""
+        if len(text) > LONG_TEXT:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

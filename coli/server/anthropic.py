@@ -17,6 +17,7 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, U
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
+from coli.server.limits import off_loop
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
 from coli.server.prompts import FUNCTION_NAME, implicit_stops, render
@@ -194,7 +195,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     server = server_of(request)
     body = await P.read_json(request)
     _model(server, body)
-    return web.json_response({"input_tokens": len(_prompt(server, body).ids)})
+    return web.json_response({"input_tokens": len((await off_loop(_prompt, server, body)).ids)})
 
 
 def stop_reason(finish: str, stop: str | None, client_stops: list[str]) -> tuple[str, str | None]:
@@ -228,7 +229,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if sampling.top_p == 0:
         raise invalid("top_p must be more than 0", "top_p")
     stops = P.stop_list(body, "stop_sequences", MAX_STOP_SEQUENCES)
-    prompt = _prompt(server, body)
+    prompt = await off_loop(_prompt, server, body)
     run_stops, stop_ids, leading = stops, frozenset(), False
     if not stops:
         (run_stops, stop_ids), leading = implicit_stops(server), True

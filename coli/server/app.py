@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 
 from aiohttp import web
 
 from coli.server import anthropic, brio, completions, dashboard, openai
+from coli.server.connections import ConnectionGuard, raise_file_limit
 from coli.server.openapi import document
 from coli.server.security import Guard
 from coli.server.state import SERVER, Server
@@ -22,10 +24,16 @@ __all__ = ["SERVER", "Server", "ServerThread", "build_app", "serve", "start"]
 log = logging.getLogger("coli.server")
 
 
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+SHUTDOWN_GRACE = 3.0  # seconds in-flight handlers get to send their last frames at shutdown
+
+
 def build_app(server: Server) -> web.Application:
-    guard = Guard(server.config)
-    app = web.Application(middlewares=[_counted, guard.middleware], client_max_size=server.config.max_body)
-    app[SERVER] = server
+    guard, connections = Guard(server.config), ConnectionGuard(server.config)
+    app = web.Application(middlewares=[connections.middleware, _counted, guard.middleware],
+                          client_max_size=server.config.max_body)
+    app[SERVER], app[CONNECTIONS] = server, connections
+    app.on_cleanup.append(connections.close)
     app.on_response_prepare.append(guard.on_prepare)
     t = server.telemetry
     app.add_routes([
@@ -70,8 +78,10 @@ async def start(server: Server, host: str | None = None, port: int | None = None
     """Start listening; returns the aiohttp runner and the URL (with the real port)."""
     host = server.config.host if host is None else host
     port = server.config.port if port is None else port
-    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=server.config.idle_timeout, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
+    runner.app[CONNECTIONS].install(runner.server)
     site = web.TCPSite(runner, host, port)
     await site.start()
     sock = site._server.sockets[0]
@@ -80,19 +90,43 @@ async def start(server: Server, host: str | None = None, port: int | None = None
     return runner, f"http://{shown}:{bound}"
 
 
-async def serve(server: Server, on_ready=None) -> None:
-    """Serve until cancelled (Ctrl-C) or SIGTERM; ``on_ready(url)`` once listening."""
+async def serve(server: Server, on_ready=None, on_stopping=None) -> None:
+    """Serve until Ctrl-C or SIGTERM (or cancelled); ``on_ready(url)`` once listening.
+
+    The first signal stops gracefully: the listener closes, every running or waiting
+    request is cancelled (streams end with an error event and their terminator, other
+    requests get 503), and the handlers get SHUTDOWN_GRACE seconds to send that; the
+    caller then closes the runner, which saves KV. ``on_stopping()`` is called as it begins.
+    A second signal exits the process at once (status 130)."""
+    raise_file_limit()
     runner, url = await start(server)
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    try:  # SIGTERM (docker stop, systemd) ends it like Ctrl-C, so KV slots are still saved
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-        pass
+
+    def on_signal() -> None:
+        if stop.is_set():
+            os.write(2, b"coli serve: stopped at once (second signal); KV slots were not saved\n")
+            os._exit(130)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # docker stop and systemd send SIGTERM
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
     if on_ready is not None:
         on_ready(url)
     try:
         await stop.wait()
     finally:
+        for site in list(runner.sites):  # stop accepting first
+            await site.stop()
+        server.draining = True
+        if on_stopping is not None:
+            on_stopping()
+        close = getattr(getattr(server.runner, "scheduler", None), "close", None)
+        if close is not None:
+            close()  # ends what runs or waits; their handlers answer at once (a cluster's: after the grace)
         await runner.cleanup()
 
 

@@ -19,6 +19,7 @@ from coli.errors import ColiError
 from coli.scheduler import Error, PromptLogprobs, Started
 from coli.server import params as P
 from coli.server.errors import from_coli, invalid
+from coli.server.limits import check_length, off_loop
 from coli.server.state import server_of
 from coli.server.prompts import normalize_openai, render
 
@@ -51,9 +52,10 @@ async def brio(request: web.Request) -> web.Response:
     if messages[-1]["role"] == "assistant":
         raise invalid("the context must end with a user turn: the options are read as the assistant's answer",
                       "messages")
-    prefix = render(server, messages, template_kwargs={"enable_thinking": False}).ids
+    prefix = (await off_loop(render, server, messages, template_kwargs={"enable_thinking": False})).ids
+    check_length(server, sum(map(len, options)), "options")
     tok = server.model.tokenizer
-    option_ids = [tok.encode(o, add_special_tokens=False) for o in options]
+    option_ids = await off_loop(lambda: [tok.encode(o, add_special_tokens=False) for o in options])
 
     sums, wait_ms = [], None
     for ids in option_ids:

@@ -1,6 +1,7 @@
 """OpenAI's legacy text completions (no chat template) and POST /tokenize, /detokenize."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -11,6 +12,7 @@ from coli.scheduler import Finished, TextDelta, TokenLogprob, Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
+from coli.server.limits import BIG_INPUT, check_length, off_loop, release_memory
 from coli.server.openai import MAX_N, MAX_TOP_LOGPROBS, _usage, max_tokens_field, sampling_fields, template_kwargs
 from coli.server.prompts import normalize_openai, openai_tools
 from coli.server.state import server_of
@@ -35,6 +37,7 @@ def _prompts(server, body: dict) -> list[list[int]]:
                       "arrays of token ids (none of them empty)", "prompt")
     if len(items) > MAX_N:
         raise invalid(f"prompt: at most {MAX_N} prompts per request", "prompt")
+    check_length(server, sum(len(x) for x in items if isinstance(x, str)), "prompt")
     out = []
     for item in items:
         ids = tok.encode(item) if isinstance(item, str) else list(item)
@@ -62,13 +65,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = P.get(body, "echo", bool, False)
     top = P.integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     sampling, bias = sampling_fields(server, body)
-    prompts = _prompts(server, body)
+    prompts = await off_loop(_prompts, server, body)
     spec = GenSpec(prompts, max_tokens_field(server, body) if body.get("max_tokens") is not None else 16, sampling, n,
                    P.stop_list(body, "stop", 4), P.get(body, "x_colibri_ignore_leading_stop", bool, False),
                    logprobs=top, logit_bias=bias, cache_slot=P.integer(body, "cache_slot", 0))
     gen = Generation(server, spec)
     tok = server.model.tokenizer
-    echoes = [tok.decode(p) if echo else "" for p in prompts for _ in range(n)]
+    echoes = [tok.decode(p) for p in prompts for _ in range(n)] if echo else [""] * (len(prompts) * n)
     try:
         await gen.start()
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -138,6 +141,11 @@ async def tokenize(request: web.Request) -> web.Response:
     server = server_of(request)
     body = await P.read_json(request)
     server.check_model(body)
+    return web.Response(text=await off_loop(_tokenize, server, body), content_type="application/json")
+
+
+def _tokenize(server, body: dict) -> str:
+    """POST /tokenize's answer (no length limit: it is how a client learns a text's size)."""
     tok = server.model.tokenizer
     prompt = P.get(body, "prompt", str)
     special = P.get(body, "add_special_tokens", bool, True)
@@ -158,17 +166,24 @@ async def tokenize(request: web.Request) -> web.Response:
     out = {"tokens": ids, "count": len(ids), "max_model_len": server.runner.ctx}
     if P.get(body, "return_token_strs", bool, False):
         out["token_strs"] = [tok.id_to_token(t) for t in ids]
-    return web.json_response(out)
+    text = json.dumps(out, ensure_ascii=False)
+    if len(ids) > BIG_INPUT // 4:
+        del out, ids
+        release_memory()
+    return text
 
 
 async def detokenize(request: web.Request) -> web.Response:
     server = server_of(request)
     body = await P.read_json(request)
     server.check_model(body)
-    ids = body.get("tokens")
+    return web.json_response({"prompt": await off_loop(_detokenize, server, body.get("tokens"))})
+
+
+def _detokenize(server, ids) -> str:
     vocab = server.model.config.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise invalid("tokens: expected an array of token ids", "tokens")
     if any(not 0 <= t < vocab for t in ids):
         raise invalid(f"tokens: token ids must lie in 0..{vocab - 1}", "tokens")
-    return web.json_response({"prompt": server.model.tokenizer.decode(ids, skip_special_tokens=False)})
+    return server.model.tokenizer.decode(ids, skip_special_tokens=False)

@@ -20,7 +20,10 @@ class ServerConfig:
     api_key: str | None = None  # --api-key, COLI_API_KEY
     allowed_hosts: tuple[str, ...] = ()  # --allowed-host, COLI_ALLOWED_HOSTS (comma-separated)
     cors_origins: tuple[str, ...] = ()  # --cors-origin, COLI_CORS_ORIGINS (comma-separated; "*": any)
-    max_body: int = 16 << 20  # --max-body, COLI_MAX_BODY: request bodies above it get 413
+    max_body: int = 4 << 20  # --max-body, COLI_MAX_BODY: request bodies above it get 413
+    request_timeout: float = 30.0  # --request-timeout, COLI_REQUEST_TIMEOUT: to send a request's head, then its body
+    idle_timeout: float = 30.0  # --idle-timeout, COLI_IDLE_TIMEOUT: a keep-alive connection idle this long is closed
+    max_connections: int = 512  # --max-connections, COLI_MAX_CONNECTIONS (kept below the open-file limit)
     continue_assistant: bool = True  # COLI_CONTINUE_ASSISTANT=0: a trailing assistant turn is closed, not continued
     keepalive: float = 10.0  # seconds without output before an SSE keepalive (Anthropic: a ping event)
     stream_high: int = 64 << 10  # a stream's socket buffer above this pauses its writer ...
@@ -38,6 +41,12 @@ class ServerConfig:
             raise InvalidRequestError("stream buffers must satisfy 0 < low <= high < ceiling")
         if self.max_body < 1024:
             raise InvalidRequestError(f"--max-body must be at least 1024 bytes, got {self.max_body}")
+        for name in ("request_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be more than 0 seconds, "
+                                          f"got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise InvalidRequestError(f"--max-connections must be at least 1, got {self.max_connections}")
         if any(h == "*" or "*" in h for h in self.allowed_hosts):
             raise InvalidRequestError("--allowed-host takes exact host names or addresses; there is no wildcard")
 
@@ -48,7 +57,9 @@ class ServerConfig:
         kinds = {f.name: f.type for f in fields(cls)}
         names = {"host": "COLI_HOST", "port": "COLI_PORT", "model_id": "COLI_MODEL_ID", "api_key": "COLI_API_KEY",
                  "allowed_hosts": "COLI_ALLOWED_HOSTS", "cors_origins": "COLI_CORS_ORIGINS",
-                 "max_body": "COLI_MAX_BODY", "continue_assistant": "COLI_CONTINUE_ASSISTANT"}
+                 "max_body": "COLI_MAX_BODY", "continue_assistant": "COLI_CONTINUE_ASSISTANT",
+                 "request_timeout": "COLI_REQUEST_TIMEOUT", "idle_timeout": "COLI_IDLE_TIMEOUT",
+                 "max_connections": "COLI_MAX_CONNECTIONS"}
         for key, var in names.items():
             if given.get(key) is None and env.get(var):
                 given[key] = _parse(var, env[var], kinds[key])
@@ -76,4 +87,9 @@ def _parse(var: str, value: str, kind: str):
             return int(value)
         except ValueError:
             raise InvalidRequestError(f"{var}={value!r} is not a whole number") from None
+    if kind.startswith("float"):
+        try:
+            return float(value)
+        except ValueError:
+            raise InvalidRequestError(f"{var}={value!r} is not a number") from None
     return value

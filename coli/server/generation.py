@@ -18,7 +18,7 @@ from coli.sampling import SamplingParams
 from coli.scheduler import (Error, Finished, Profile, ReasoningDelta, Started, TextDelta, TokenLogprob, ToolCallDelta,
                             Usage)
 from coli.scheduler.stream import RequestHandle
-from coli.server.errors import from_coli
+from coli.server.errors import ApiError, from_coli
 
 SEED_SPACE = 2**63
 
@@ -61,6 +61,7 @@ class Generation:
     async def start(self) -> None:
         """Submit every choice and wait until all are admitted; raises ApiError."""
         spec, runner = self.spec, self.server.runner
+        check_capacity(runner, len(spec.prompts) * spec.n)
         try:
             with runner.scheduler.paused():  # the choices start in the same step
                 for prompt, j in ((p, j) for p in spec.prompts for j in range(spec.n)):
@@ -152,6 +153,18 @@ class Generation:
             self._usage[i] = ev
         elif isinstance(ev, Finished) and i in self._profiles and i in self._usage:
             self.server.telemetry.record_turn(time.monotonic() - self._t0, self._profiles[i], self._usage[i])
+
+
+def check_capacity(runner, choices: int) -> None:
+    """400 for more choices at once than the slots and the queue can ever hold together: a
+    429 would tell the client to retry a request that can never be admitted."""
+    config = getattr(runner, "config", None)
+    slots, queue = getattr(config, "kv_slots", None), getattr(config, "max_queue", None)
+    if slots is None or queue is None or choices <= slots + queue:
+        return
+    raise ApiError(400, f"this request needs {choices} generations at once (n times the prompts), and this server "
+                        f"holds at most {slots + queue} ({slots} KV slot(s), --kv-slots, plus {queue} waiting, "
+                        "--max-queue): ask for fewer choices", code="too_many_choices", param="n")
 
 
 @dataclass

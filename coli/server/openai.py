@@ -19,6 +19,7 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, TokenLogprob, To
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
+from coli.server.limits import off_loop
 from coli.server.prompts import implicit_stops, normalize_openai, openai_tools, render
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
@@ -162,8 +163,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     cache_slot = P.integer(body, "cache_slot", 0)
     messages = normalize_openai(body.get("messages"))
     tools = openai_tools(body["tools"]) if body.get("tools") is not None else None
-    prompt = render(server, messages, tools=tools, tool_choice=_tool_choice(body),
-                    parallel=P.get(body, "parallel_tool_calls", bool, True), template_kwargs=template_kwargs(body))
+    prompt = await off_loop(render, server, messages, tools=tools, tool_choice=_tool_choice(body),
+                            parallel=P.get(body, "parallel_tool_calls", bool, True),
+                            template_kwargs=template_kwargs(body))
     stop_ids = frozenset()
     if not stop:  # the template's role markers, skipped where they lead the answer
         stop, stop_ids = implicit_stops(server)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from coli.chat_format import OutputParser, forced_prefix, opens_reasoning
 from coli.errors import InvalidRequestError
 from coli.server.errors import invalid, unsupported
+from coli.server.limits import BIG_INPUT, check_length, release_memory
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -180,6 +181,7 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
             raise invalid("a trailing assistant message to continue must not end in whitespace (the template "
                           "strips it, so the model would resume from other text)", "messages")
     tools_arg = tools if active else None
+    check_length(server, sum(len(v) for m in messages for v in m.values() if isinstance(v, str)))
     text = None
     if continuing:
         try:
@@ -199,7 +201,10 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
         primed = forced_prefix(fmt, None if tool_choice == "required" else tool_choice)
         text += primed
         in_reasoning = False
+    check_length(server, len(text))
     ids = tok.encode(text, add_special_tokens=False)
+    if len(text) > BIG_INPUT:
+        release_memory()
     if not ids:
         raise invalid("the rendered prompt is empty", "messages")
     return Prompt(ids, text, active, in_reasoning, primed, parallel, continuing)

@@ -79,7 +79,7 @@ class Guard:
     def key_ok(self, request: web.Request) -> bool:
         if self._key is None:
             return True
-        given = request.headers.get("x-api-key")
+        given = request.headers.get("x-api-key", "").strip() or None  # an empty header counts as absent
         auth = request.headers.get("Authorization", "")
         if given is None and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
@@ -126,9 +126,10 @@ class Guard:
         return await handler(request)
 
     def _preflight(self, request: web.Request, origin: str | None) -> web.Response:
-        headers = {"Allow": ALLOW_METHODS}
+        allow = allowed_methods(request)
+        headers = {"Allow": allow}
         if origin is not None:
-            headers.update({"Access-Control-Allow-Methods": ALLOW_METHODS,
+            headers.update({"Access-Control-Allow-Methods": allow,
                             "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
                                                                                 ALLOW_HEADERS),
                             "Access-Control-Max-Age": "600"})
@@ -141,6 +142,15 @@ class Guard:
         if origin is not None and self.origin_allowed(origin, request.headers.get("Host")):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = EXPOSE_HEADERS
+
+
+def allowed_methods(request: web.Request) -> str:
+    """The methods the request's path answers (plus OPTIONS); every method for an unknown path."""
+    exc = getattr(request.match_info, "http_exception", None)
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        methods = set(exc.allowed_methods) | {"OPTIONS"}
+        return ", ".join(m for m in ("GET", "HEAD", "POST", "OPTIONS") if m in methods)
+    return ALLOW_METHODS
 
 
 def error_response(e: ApiError, anthropic: bool) -> web.Response:

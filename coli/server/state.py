@@ -30,6 +30,7 @@ class Server:
         self.chat_format = detect(model.config.model_type, model.tokenizer.chat_template)
         self.telemetry = Telemetry(self)
         self.created = int(time.time())
+        self.draining = False  # shutting down: requests cut short say so
         self._byte_level = _is_byte_level(model.tokenizer)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)

@@ -19,7 +19,7 @@ import socket
 from aiohttp import web
 
 from coli.scheduler import Error
-from coli.server.errors import from_coli
+from coli.server.errors import ApiError, from_coli
 
 log = logging.getLogger("coli.server")
 
@@ -156,7 +156,11 @@ async def run_stream(request, server, gen, first: bytes, on_event, closing, keep
                 i, ev = item
                 if isinstance(ev, Error):
                     gen.cancel()
-                    await stream.send(error_frames(from_coli(ev.exception())))
+                    error = from_coli(ev.exception())
+                    if getattr(server, "draining", False):
+                        error = ApiError(503, "the server is shutting down; the answer was cut short",
+                                         code="server_shutting_down")
+                    await stream.send(error_frames(error))
                     break
                 data = await on_event(i, ev)
             if data and not await stream.send(data):

@@ -14,7 +14,8 @@ from dataclasses import asdict
 import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+# The text exposition format 0.0.4, as the spec says (prometheus_client >= 0.21 labels its output 1.0.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 from coli.scheduler import Profile, Usage
 from coli.server.security import AUTHENTICATED
@@ -79,7 +80,7 @@ class Telemetry:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         data = generate_latest(self.server.runner.metrics.registry) + generate_latest(self.metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE})
 
     async def experts(self, request: web.Request) -> web.Response:
         return web.json_response(self.expert_grid())
