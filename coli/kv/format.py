@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -96,10 +98,12 @@ def write_state(path: str | os.PathLike, layout: Layout, tokens: list[int], k: n
              np.asarray(tokens, dtype="<i4").tobytes(),
              memoryview(np.ascontiguousarray(k, dtype="<f4")).cast("B"),
              memoryview(np.ascontiguousarray(v, dtype="<f4")).cast("B")]
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    # a fresh name, created exclusively and never through a symlink (mkstemp: O_EXCL | O_NOFOLLOW)
+    fd, name = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
+    tmp = Path(name)
     crc = 0
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             for p in parts:
                 crc = zlib.crc32(p, crc)
                 f.write(p)
@@ -116,7 +120,7 @@ def write_state(path: str | os.PathLike, layout: Layout, tokens: list[int], k: n
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     """The header of a state file and the file's size; checks its framing, not its checksum."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         pre = f.read(_PREFIX.size)
         if len(pre) < _PREFIX.size:
@@ -153,7 +157,7 @@ def read_state(path: str | os.PathLike, layout: Layout | None = None) -> KVState
     header, size = read_header(path)
     if layout is not None and (why := layout.mismatch(header)):
         raise KVFileError(why)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read()
     if len(data) != size:
         raise KVFileError("it changed while being read")
@@ -168,6 +172,16 @@ def read_state(path: str | os.PathLike, layout: Layout | None = None) -> KVState
     at += k.nbytes
     v = np.frombuffer(data, dtype="<f4", count=L * n * vw, offset=at).reshape(L, n, vw)  # (L, n, vw)
     return KVState(header, [int(t) for t in tokens], k, v)
+
+
+def open_regular(path: str | os.PathLike):
+    """``path`` opened for reading when it is a regular file; KVFileError for a FIFO, a
+    device or a directory (opened without blocking, so a FIFO cannot hang the reader)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KVFileError("it is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _fsync_dir(directory: Path) -> None:

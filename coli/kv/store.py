@@ -9,10 +9,12 @@ One process at a time uses a directory: it holds an advisory lock on
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -97,11 +99,18 @@ class KVStore:
         self._busy = False
         self._closed = False
         self._saved: dict[int, list[int]] = {}  # what each slot's file holds, to skip rewriting it
+        self._failing: int | None = None  # the errno saves fail with, said once
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a symlink (a planted one would make us create or lock its target)
+            fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as e:
-            self._disable(f"KV persistence is off: cannot use {self.directory} ({e.strerror or e})")
+            why = "it is a symbolic link" if e.errno == errno.ELOOP else (e.strerror or e)
+            self._disable(f"KV persistence is off: cannot use {self.directory / LOCK_NAME} ({why})")
+            return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._disable(f"KV persistence is off: {self.directory / LOCK_NAME} is not a regular file")
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,7 +133,15 @@ class KVStore:
         if not self.enabled:
             return None
         path = slot_file(self.directory, slot)
-        if not path.exists():
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self.notice(f"ignoring KV state {path}: {e.strerror or e}")
+            return None
+        if not stat.S_ISREG(mode):  # a FIFO would hang the start, a symlink may point anywhere
+            self.notice(f"ignoring KV state {path}: it is not a regular file")
             return None
         try:
             state = read_state(path, self.layout)
@@ -174,8 +191,14 @@ class KVStore:
                 write_state(slot_file(self.directory, slot), self.layout, tokens, k, v, slot=slot,
                             model_path=self.model_path)
                 self._saved[slot] = tokens
+                if self._failing is not None:
+                    self.notice(f"KV slots are saved to {self.directory} again")
+                    self._failing = None
             except OSError as e:
-                self.notice(f"could not save KV slot {slot} to {self.directory}: {e.strerror or e}")
+                if self._failing != e.errno:  # once per condition (a full disk fails every save)
+                    self.notice(f"could not save KV slot {slot} to {self.directory}: {e.strerror or e} (said "
+                                "once until it changes)")
+                    self._failing = e.errno
             finally:
                 with self._cv:
                     self._busy = False
