@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from coli.cli.common import (CtxOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt, ThreadsOpt,
-                             load_model, load_options, stderr, user_errors)
+                             fail, load_model, load_options, stderr, user_errors)
 
 
 @user_errors
@@ -42,7 +42,18 @@ def serve(
                               "'*' allows any). The Vite dev server and Tauri origins are allowed by default.")]
     = None,
     max_body: Annotated[Optional[str], typer.Option(
-        "--max-body", envvar="COLI_MAX_BODY", help="Largest request body, e.g. 16M (larger ones get 413).")] = None,
+        "--max-body", envvar="COLI_MAX_BODY", show_envvar=True,
+        help="Largest request body, e.g. 16M (larger ones get 413). Default: 4M.")] = None,
+    request_timeout: Annotated[Optional[float], typer.Option(
+        "--request-timeout", envvar="COLI_REQUEST_TIMEOUT", show_envvar=True, min=0.001,
+        help="Seconds a client has to send a request's head after connecting, then its body. Default: 30.")] = None,
+    idle_timeout: Annotated[Optional[float], typer.Option(
+        "--idle-timeout", envvar="COLI_IDLE_TIMEOUT", show_envvar=True, min=0.001,
+        help="Seconds a keep-alive connection may sit idle between requests. Default: 30.")] = None,
+    max_connections: Annotated[Optional[int], typer.Option(
+        "--max-connections", envvar="COLI_MAX_CONNECTIONS", show_envvar=True, min=1,
+        help="Open connections at most (kept below the open-file limit); past it the idlest is closed. "
+             "Default: 512.")] = None,
     threads: ThreadsOpt = None,
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
@@ -71,17 +82,18 @@ def serve(
     from coli.runner import Runner
     from coli.server import Server, ServerConfig, serve as run_server
     from coli.server.config import split_list
+    from coli.server.connections import check_port
 
     hosts = tuple(allowed_host or ()) + split_list(os.environ.get("COLI_ALLOWED_HOSTS", ""))
     origins = tuple(cors_origin or ()) + split_list(os.environ.get("COLI_CORS_ORIGINS", ""))
     try:
         body_limit = parse_size(max_body) if max_body else None
     except ValueError as e:
-        from coli.cli.common import fail
-
         raise fail(f"--max-body: {e}") from None
     config = ServerConfig.from_env(host=host, port=port, model_id=model_id, api_key=api_key, allowed_hosts=hosts,
-                                   cors_origins=origins, max_body=body_limit)
+                                   cors_origins=origins, max_body=body_limit, request_timeout=request_timeout,
+                                   idle_timeout=idle_timeout, max_connections=max_connections)
+    check_port(host, port)  # a port in use is one line now, not a traceback after loading
     if cluster:  # cluster mode (coli.cluster): the same front end over Ray workers
         from coli.cli.cluster import open_cluster_runner, require_cluster
 
@@ -103,10 +115,16 @@ def serve(
         if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             stderr.print("[yellow]warning:[/] listening beyond this machine without --api-key", soft_wrap=True)
 
+    def stopping() -> None:
+        typer.echo("coli serve: stopping: ending open requests and saving KV slots (press Ctrl+C again to "
+                   "stop at once)", err=True)
+
     try:
-        asyncio.run(run_server(server, on_ready=ready))
+        asyncio.run(run_server(server, on_ready=ready, on_stopping=stopping))
     except KeyboardInterrupt:
         pass
+    except OSError as e:  # the port was taken between the check and the bind
+        raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     finally:
         runner.close()
         m.close()
