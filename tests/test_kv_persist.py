@@ -379,7 +379,10 @@ def test_inspect_bad_input(saved, tmp_path):
     assert_one_line_error(coli_kv(str(tmp_path / "nope")), "no such file")
     assert_one_line_error(coli_kv("--kv-dir", str(tmp_path / "nope")), "no such directory")
     assert_one_line_error(coli_kv(str(saved / ".coli_kv"), "--kv-dir", str(saved)), "not both")
-    assert_one_line_error(coli_kv(), "nothing to inspect")
+    empty = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "coli.cli", "kv", "inspect", "--json"], capture_output=True, text=True,
+                       env={**os.environ, "XDG_CACHE_HOME": str(empty)}, timeout=WAIT, cwd=ROOT)
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr  # the built-in model, which saved nothing
     bad = tmp_path / ".coli_kv"
     bad.write_bytes(b"hello")
     assert_one_line_error(coli_kv(str(bad)), "too short")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from coli.cli.common import ModelOpt, PinOpt, RamBudgetOpt, ThreadsOpt, fail, stderr, user_errors
+from coli.cli.common import ModelOpt, Quant, PinOpt, RamBudgetOpt, ThreadsOpt, fail, stderr, user_errors
 from coli.synthetic import SPECS
 
 
@@ -20,7 +20,8 @@ def bench(
     model: ModelOpt = None,
     synthetic: Annotated[Optional[str], typer.Option(
         "--synthetic", help=f"Benchmark a seeded random-weight model instead: {', '.join(SPECS)}.")] = None,
-    quant: Annotated[Optional[str], typer.Option("--quant", "-q", help="f32, bf16, int8 or int4.")] = None,
+    quant: Annotated[Optional[Quant], typer.Option("--quant", "-q",
+                                                 help="The weight format.")] = None,
     threads: ThreadsOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,

@@ -14,6 +14,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
@@ -32,7 +33,7 @@ UrlOpt = Annotated[Optional[str], typer.Option(
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", envvar="COLI_API_KEY", show_envvar=True, help="The server's API key (with --url).")]
 SlotsOpt = Annotated[int, typer.Option(
-    "--slots", min=1, help="KV slots to switch between in the app, one conversation each (F5, /slot N).")]
+    "--slots", envvar="COLI_SLOTS", show_envvar=True, min=1, help="KV slots to switch between in the app, one conversation each (F5, /slot N).")]
 
 
 @user_errors
@@ -179,10 +180,19 @@ def _repl(backend, system: str | None) -> None:
             messages = [x for x in messages if x["role"] == "system"]
             stderr.print("[dim]new conversation[/]")
             continue
-        if text.startswith("/system"):
-            messages = [{"role": "system", "content": text[len("/system"):].strip()}] + \
+        if text == "/system" or text.startswith(("/system ", "/system\n")):
+            prompt = text[len("/system"):].strip()
+            messages = ([{"role": "system", "content": prompt}] if prompt else []) + \
                 [x for x in messages if x["role"] != "system"]
+            stderr.print(f"[dim]system prompt set ({len(prompt)} characters)[/]" if prompt
+                         else "[dim]system prompt cleared[/]")
             continue
+        if text.startswith("/") and not text.startswith("//"):
+            stderr.print(f"unknown command {escape(text.split()[0])}: {HELP} (start a message with // to send "
+                         "a leading /)")
+            continue
+        if text.startswith("//"):
+            text = text[1:]
         messages.append({"role": "user", "content": text})
         answer, _ = _answer(backend, messages)
         sys.stdout.write("\n")

@@ -4,12 +4,13 @@ from __future__ import annotations
 import functools
 import sys
 from enum import IntEnum
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
 
 from coli.errors import ColiError
+from coli.quant import FORMATS
 
 
 class ExitCode(IntEnum):
@@ -34,7 +35,8 @@ TopPOpt = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, h
 TopKOpt = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample from the k likeliest tokens (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed that makes sampled output reproducible.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
-QuantOpt = Annotated[Optional[str], typer.Option(
+Quant = Literal[FORMATS]  # a choice list in --help and in errors
+QuantOpt = Annotated[Optional[Quant], typer.Option(
     "--quant", "-q", envvar="COLI_QUANT", show_envvar=True,
     help="Weight format: f32, bf16, int8 or int4. Default: f32 for a Hugging Face directory, the converted one's own.")]
 RamBudgetOpt = Annotated[Optional[str], typer.Option(
@@ -42,15 +44,15 @@ RamBudgetOpt = Annotated[Optional[str], typer.Option(
     help="RAM for experts of a converted model, e.g. 2G. Below their size, experts stream from disk. "
          "Default: what is available.")]
 PinOpt = Annotated[Optional[str], typer.Option(
-    "--pin", help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
+    "--pin", envvar="COLI_PIN", show_envvar=True, help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
 
 
 CtxOpt = Annotated[Optional[int], typer.Option(
-    "--ctx", min=2, help="Context tokens per KV slot. Default: the model's, capped to what memory holds.")]
+    "--ctx", envvar="COLI_CTX", show_envvar=True, min=2, help="Context tokens per KV slot. Default: the model's, capped to what memory holds.")]
 KvDirOpt = Annotated[Optional[str], typer.Option(
     "--kv-dir", envvar="COLI_KV_DIR", help="Where KV slot state (.coli_kv, .coli_kv.1, ...) is saved and restored.")]
 PersistOpt = Annotated[bool, typer.Option(
-    "--kv-persist/--no-kv-persist", help="Save KV slots so a restart reuses cached prefixes.")]
+    "--kv-persist/--no-kv-persist", envvar="COLI_KV_PERSIST", show_envvar=True, help="Save KV slots so a restart reuses cached prefixes.")]
 
 
 def open_runner(model, *, ctx=None, kv_dir=None, persist=True, kv_slots=1):

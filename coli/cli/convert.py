@@ -6,15 +6,16 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from coli.cli.common import stderr, user_errors
+from coli.cli.common import Quant, fail, stderr, user_errors
 
 
 @user_errors
 def convert(
     src: Annotated[str, typer.Argument(help="Hugging Face model directory (config.json, *.safetensors, tokenizer).")],
     dst: Annotated[str, typer.Argument(help="Directory to create.")],
-    quant: Annotated[str, typer.Option("--quant", "-q", help="int4, int8 or bf16 (or f32).")] = "int4",
-    head_quant: Annotated[Optional[str], typer.Option(
+    quant: Annotated[Quant, typer.Option("--quant", "-q",
+                                       help="The format of the dense weights.")] = "int4",
+    head_quant: Annotated[Optional[Quant], typer.Option(
         "--head-quant", help="Format of the LM head and embeddings. Default: int8 under int4, else --quant.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
 ) -> None:
@@ -22,8 +23,12 @@ def convert(
 
     The result loads with `--model DST` and streams experts from disk when they do not fit
     `--ram-budget`. The format is described in docs/FORMAT.md."""
+    from pathlib import Path
+
     from coli.weights.convert import convert as do_convert, count_tensors
 
+    if not Path(src).is_dir():
+        raise fail(f"{src}: not a directory (pass a Hugging Face model directory)")
     total = count_tensors(src)
     with Progress(TextColumn("[bold]converting[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=stderr, transient=False, disable=not stderr.is_terminal) as bar:

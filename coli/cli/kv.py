@@ -26,8 +26,9 @@ def inspect(
         "--kv-dir", envvar="COLI_KV_DIR", show_envvar=True,
         help="A state directory: report every slot file in it.")] = None,
     model: Annotated[Optional[Path], typer.Option(
-        "--model", "-m", help="The model to check the files against and decode their text with; "
-                              "alone, its default state directory is inspected.")] = None,
+        "--model", "-m", envvar="COLI_MODEL", show_envvar=True,
+        help="The model to check the files against and decode their text with; alone, its default state "
+             "directory is inspected. Default: $COLI_MODEL, else the built-in model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Show each KV slot file: tokens, size, whether it fits the model, when it was saved, and its text.
@@ -39,6 +40,10 @@ def inspect(
 
     if file is not None and kv_dir is not None:
         raise fail("give a FILE or --kv-dir DIR, not both")
+    if file is None and kv_dir is None and model is None:  # like every command: the built-in model
+        from coli.api import resolve_model_path
+
+        model = resolve_model_path(None)
     fingerprint = tokenizer = None
     if model is not None:
         if not (model / "config.json").is_file():
@@ -54,9 +59,9 @@ def inspect(
         directory = kv_dir if kv_dir is not None else (default_state_dir(model, fingerprint) if model else None)
         if directory is None:
             raise fail("nothing to inspect: give a state FILE, --kv-dir DIR or --model DIR")
-        if not directory.is_dir():
-            raise fail(f"{directory}: no such directory" + (" (this model has no saved KV state)" if model else ""))
-        files = slot_files(directory)
+        if kv_dir is not None and not directory.is_dir():
+            raise fail(f"{directory}: no such directory")
+        files = slot_files(directory) if directory.is_dir() else []  # a model that never saved any: nothing
     reports = [inspect_file(f, fingerprint=fingerprint, tokenizer=tokenizer) for f in files]
     if file is not None and not reports[0].valid:
         raise fail(f"{file}: {reports[0].problem}")

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
+import sys
+
 import typer
+from rich.markup import escape
 
 import coli
 from coli.cli.bench import bench
 from coli.cli.chat import chat
 from coli.cli.cluster import app as cluster_app
+from coli.cli.common import stderr
 from coli.cli.convert import convert
 from coli.cli.kv import app as kv_app
 from coli.cli.run import run
@@ -48,4 +52,21 @@ def _root(
 
 
 def main() -> None:
-    app()
+    """Run the CLI; a usage error (a bad option value, a missing argument) is one line on
+    stderr and exit 2, not a box."""
+    try:
+        code = app(standalone_mode=False)
+    except Exception as e:
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):  # not the CLI parser's: a bug
+            raise
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":  # `coli kv` alone: the help is shown already
+            sys.exit(e.exit_code)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        stderr.print(f"[bold red]error:[/] {escape(e.format_message())}{hint}", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except BaseException as e:
+        if type(e).__name__ == "Abort":
+            sys.exit(1)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)

@@ -8,7 +8,8 @@ import typer
 
 from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
-                             load_options, messages_for, open_runner, user_errors)
+                             load_options, messages_for, open_runner, stderr, user_errors)
+from coli.scheduler import Error, Finished, TextDelta, Usage
 
 
 @user_errors
@@ -45,13 +46,30 @@ def run(
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw)
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    last = ""
+    last, finish, generated = "", None, 0
     with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
-        for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            last = piece or last
+        if ctx is not None and runner.ctx < ctx:
+            stderr.print(f"note: --ctx {ctx} is more than this model holds: using {runner.ctx}", soft_wrap=True)
+        handle = runner.submit(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0)
+        try:
+            for ev in handle:
+                if isinstance(ev, TextDelta):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    last = ev.text or last
+                elif isinstance(ev, Usage):
+                    generated = ev.completion_tokens
+                elif isinstance(ev, Finished):
+                    finish = ev.finish_reason
+                elif isinstance(ev, Error):
+                    raise ev.exception()
+        finally:
+            handle.cancel()
     m.close()
     if not last.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
+    if finish == "length":  # cut short: say so, where a pipe's reader will not mistake it for the answer
+        why = (f"--max-tokens {max_tokens}" if generated >= max_tokens
+               else f"the end of the context ({runner.ctx} tokens; raise --ctx)")
+        stderr.print(f"note: the answer was cut at {why}", soft_wrap=True)

@@ -64,14 +64,17 @@ def serve(
     cluster: Annotated[Optional[str], typer.Option(
         "--cluster", envvar="COLI_CLUSTER", show_envvar=True, rich_help_panel="Cluster (Ray)",
         help="Generate on Ray workers: auto (a running cluster, else a local one) or ray://HOST:PORT.")] = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, rich_help_panel="Cluster (Ray)",
+    workers: Annotated[int, typer.Option("--workers", envvar="COLI_WORKERS", show_envvar=True, min=1,
+                                         rich_help_panel="Cluster (Ray)",
                                          help="Worker actors, each with its own engine and KV slots.")] = 2,
-    worker_cpus: Annotated[float, typer.Option("--worker-cpus", min=0, rich_help_panel="Cluster (Ray)",
+    worker_cpus: Annotated[float, typer.Option("--worker-cpus", envvar="COLI_WORKER_CPUS", show_envvar=True, min=0,
+                                               rich_help_panel="Cluster (Ray)",
                                                help="CPUs Ray reserves per worker.")] = 1,
-    routing: Annotated[str, typer.Option("--routing", rich_help_panel="Cluster (Ray)",
+    routing: Annotated[str, typer.Option("--routing", envvar="COLI_ROUTING", show_envvar=True,
+                                         rich_help_panel="Cluster (Ray)",
                                          help="cache-aware, round-robin or least-loaded.")] = "cache-aware",
     state_dir: Annotated[Optional[str], typer.Option(
-        "--state-dir", rich_help_panel="Cluster (Ray)",
+        "--state-dir", envvar="COLI_STATE_DIR", show_envvar=True, rich_help_panel="Cluster (Ray)",
         help="Keep the worker registry and prefix index in DIR/cluster.sqlite (default: in memory).")] = None,
 ) -> None:
     """Serve a model over an OpenAI- and Anthropic-compatible HTTP API.

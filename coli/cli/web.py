@@ -17,7 +17,7 @@ import typer
 
 from coli.cli.serve import serve
 
-NoBrowserOpt = Annotated[bool, typer.Option("--no-browser", help="Do not open a browser (print the address only).")]
+NoBrowserOpt = Annotated[bool, typer.Option("--no-browser", envvar="COLI_NO_BROWSER", show_envvar=True, help="Do not open a browser (print the address only).")]
 
 
 def headless() -> bool:
@@ -48,13 +48,13 @@ def _on_ready(callback):
 
     original = server_pkg.serve
 
-    async def serve_then(server, on_ready=None):
+    async def serve_then(server, on_ready=None, **kw):
         def ready(url: str) -> None:
             if on_ready is not None:
                 on_ready(url)
             callback(url)
 
-        await original(server, on_ready=ready)
+        await original(server, on_ready=ready, **kw)
 
     server_pkg.serve = serve_then
     try:

@@ -48,7 +48,7 @@ class ChatApp(App):
         Binding("f4", "toggle_reasoning", "Reasoning"),
         Binding("f5", "next_slot", "Slot"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
-        Binding("ctrl+d", "quit", "Quit", show=False),
+        Binding("ctrl+d", "quit", "Quit", show=False, priority=True),  # before the text box's delete-right
     ]
 
     slot = reactive(0)
