@@ -257,3 +257,25 @@ def test_nan_is_named_as_nan(srv):
     raw = json.dumps({**CHAT, "temperature": float("nan")}).encode()
     status, _, out = http(srv, "POST", "/v1/chat/completions", raw=raw)
     assert status == 400 and out["error"]["message"] == "temperature: expected a number, got NaN"
+
+
+def test_openapi_carries_the_cross_field_rules(srv):
+    jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema (in the test extra)")
+    doc = http(srv, "GET", "/openapi.json")[2]
+
+    def valid(name: str, body: dict) -> bool:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    chat = {"model": "tiny", "messages": USER}
+    assert valid("ChatCompletionRequest", chat) and valid("ChatCompletionRequest", {**chat, "top_logprobs": None})
+    assert not valid("ChatCompletionRequest", {**chat, "top_logprobs": 2})
+    assert valid("ChatCompletionRequest", {**chat, "top_logprobs": 2, "logprobs": True})
+    assert not valid("ChatCompletionRequest", {**chat, "tool_choice": "required"})
+    assert not valid("ChatCompletionRequest", {**chat, "n": 16})  # 2 slots + 2 waiting
+    brio = {"model": "tiny", "options": ["a", "b"]}
+    assert valid("BrioRequest", {**brio, "state": "x"}) and valid("BrioRequest", {**brio, "messages": USER})
+    assert not valid("BrioRequest", brio) and not valid("BrioRequest", {**brio, "state": "x", "messages": USER})
+    # and the server agrees
+    assert http(srv, "POST", "/v1/chat/completions", {**chat, "top_logprobs": 2})[0] == 400
+    assert http(srv, "POST", "/v1/brio", {**brio, "state": "x", "messages": USER})[0] == 400

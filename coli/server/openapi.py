@@ -245,6 +245,35 @@ def _op(summary: str, ok: str | None, *, body: str | None = None, stream: bool =
     return op
 
 
+def _given(name: str) -> dict:
+    """A subschema that holds when ``name`` is present and not null (null reads as absent)."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def cross_field_rules(out: dict, server) -> dict:
+    """The rules that tie fields together, so a schema-driven client or fuzzer sees what
+    the server refuses: top_logprobs needs logprobs, a forced tool_choice needs tools, Brio
+    takes state or messages (one of them), and n is at most what the slots and the queue
+    hold together (more is a 400, too_many_choices)."""
+    chat = out["ChatCompletionRequest"]
+    chat["allOf"] = [
+        {"if": _given("top_logprobs"), "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none", "auto"]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    ]
+    out["BrioRequest"]["oneOf"] = [{"allOf": [_given("state"), {"not": _given("messages")}]},
+                                   {"allOf": [_given("messages"), {"not": _given("state")}]}]
+    config = getattr(server.runner, "config", None)
+    slots, queue = getattr(config, "kv_slots", None), getattr(config, "max_queue", None)
+    if isinstance(slots, int) and isinstance(queue, int):
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            n = out[name]["properties"]["n"]
+            out[name]["properties"]["n"] = {**n, "maximum": min(n["maximum"], slots + queue),
+                                            "description": "at most --kv-slots + --max-queue"}
+    out["CompletionRequest"]["properties"]["best_of"]["description"] = "supported only equal to n"
+    return out
+
+
 def nullable_optionals(schema):
     """The server reads JSON null as "not given" (clients send nulls for unset fields), so
     every optional property of every object also accepts null."""
@@ -298,7 +327,7 @@ def document(server) -> dict:
             "/openapi.json": {"get": _op("This document", None, ok_schema={"type": "object"})},
         },
         "components": {
-            "schemas": nullable_optionals(schemas(server.model_id)),
+            "schemas": nullable_optionals(cross_field_rules(schemas(server.model_id), server)),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },
