@@ -197,7 +197,8 @@ def test_http_second_turn_reports_the_workers_cached_tokens(healthy, server_url)
     body = conn.getresponse().read().decode()
     conn.close()
     assert "colibri_cluster_routed_total" in body and "colibri_cluster_fenced_dropped" in body
-    assert 'colibri_cluster_worker_scheduler_completed{worker="coli-worker-0"}' in body
+    first = sorted(healthy.transport.handles)[0]  # coli-<model key>-worker-0
+    assert f'colibri_cluster_worker_scheduler_completed{{worker="{first}"}}' in body
 
 
 def test_client_disconnect_frees_the_workers_slot(healthy, server_url):
@@ -230,10 +231,10 @@ def test_cluster_status_lists_both_workers(healthy):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     names = {w["name"] for w in data["workers"]}
-    assert names == {"coli-worker-0", "coli-worker-1"}
+    assert names == set(healthy.transport.handles) and all(n.endswith(("-worker-0", "-worker-1")) for n in names)
     assert all(w["health"] == "up" for w in data["workers"])
     table = CliRunner().invoke(app, ["cluster", "status"])
-    assert table.exit_code == 0 and "coli-worker-0" in table.output and "coli-worker-1" in table.output
+    assert table.exit_code == 0 and all(n in table.output for n in names)
 
 
 def test_http_stream_killed_after_the_first_token_ends_with_an_error_frame(healthy, server_url, model):
