@@ -83,7 +83,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
 
     def put(name, arr, quantize=True):
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not quantize or arr.ndim < 2 or qt == Q.F32:
+        block = gguf.GGML_QUANT_SIZES[qt][0]
+        if not quantize or arr.ndim < 2 or qt == Q.F32 or arr.shape[-1] % block:  # llama.cpp keeps these unquantized
             w.add_tensor(name, arr)
         elif qt == Q.F16:
             w.add_tensor(name, arr.astype(np.float16))
@@ -138,11 +139,14 @@ def write_vocab(w, V: int, kind: str = "gpt2") -> None:
     or a SentencePiece-style one."""
     import gguf
 
-    toks = [f"w{i}" for i in range(V)]
+    toks = [f"w{i}" for i in range(V - 1)] + ["<|end|>"]  # the last id: an end-of-turn control token
     w.add_tokenizer_model(kind)
     w.add_tokenizer_pre("default")
     w.add_token_list(toks)
-    w.add_token_types([int(gguf.TokenType.NORMAL)] * V)
+    w.add_token_types([int(gguf.TokenType.NORMAL)] * (V - 1) + [int(gguf.TokenType.CONTROL)])
+    w.add_eos_token_id(V - 1)
+    w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
     if kind == "gpt2":
         w.add_token_merges([])
     else:

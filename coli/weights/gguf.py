@@ -226,7 +226,9 @@ def _gemma3(g: GGUFModel, raw: dict) -> None:
     else:
         raw["sliding_window_pattern"] = int(pattern or 6)
     raw["rope_local_base_freq"] = float(g.get(".rope.local_freq_base") or 10000.0)
-    raw["query_pre_attn_scalar"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    # llama.cpp's gemma3: 1/sqrt(head_dim), except 1/sqrt(hidden/heads) for the 62-layer 27B
+    hd = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if n == 62 else hd
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if g.get("." + key):
             raw[key] = float(g.get("." + key))
