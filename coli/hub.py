@@ -40,14 +40,19 @@ def parse_name(name: str) -> tuple[str, str | None] | None:
 
 
 def cached_snapshot(repo: str, revision: str | None = None) -> Path | None:
-    """The repo's snapshot directory in the local cache, or None; never uses the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    """The repo's snapshot directory in the local Hugging Face cache, or None; reads only
+    the cache's refs/ and snapshots/ (never the network)."""
+    from huggingface_hub import constants
 
+    root = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    rev = revision or "main"
+    ref = root / "refs" / rev
     try:
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
+        commit = ref.read_text().strip() if ref.is_file() else rev
+    except OSError:
         return None
+    snap = root / "snapshots" / commit
+    return snap if snap.is_dir() and any(snap.iterdir()) else None
 
 
 def model_path(snapshot: Path) -> Path:
@@ -110,8 +115,11 @@ def _hub_error(e: BaseException, name: str) -> ModelLoadError:
     from huggingface_hub import errors as E
 
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return ModelLoadError(f"{name}: disk full while downloading; the partial file is kept, free space "
-                              f"and run coli pull {name} again to resume")
+        return ModelLoadError(f"{name}: disk full while downloading (huggingface_hub removed the unfinished "
+                              f"file; the files already complete stay cached): free space and run coli pull {name} again")
+    if isinstance(e, E.LocalEntryNotFoundError) or isinstance(e, E.OfflineModeIsEnabled):
+        return ModelLoadError(f"{name}: cannot reach the hub (offline: HF_HUB_OFFLINE is set, or no network) "
+                              "and it is not in the local cache")
     if isinstance(e, E.GatedRepoError):
         return ModelLoadError(f"{name}: a gated repository; accept its terms on the hub and set HF_TOKEN")
     if isinstance(e, E.RepositoryNotFoundError):
@@ -120,9 +128,6 @@ def _hub_error(e: BaseException, name: str) -> ModelLoadError:
         return ModelLoadError(f"{name}: no such revision on the hub")
     if isinstance(e, E.EntryNotFoundError):
         return ModelLoadError(f"{name}: no such file in the repository")
-    if isinstance(e, E.LocalEntryNotFoundError) or isinstance(e, E.OfflineModeIsEnabled):
-        return ModelLoadError(f"{name}: cannot reach the hub (offline: HF_HUB_OFFLINE is set, or no network) "
-                              "and it is not in the local cache")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return ModelLoadError(f"{name}: download failed: {first}")
 
@@ -139,6 +144,7 @@ def pull(name: str, file: str | None = None, quant: str | None = None, progress:
         raise ModelLoadError(f"{name}: not a hub name (expected ORG/MODEL or ORG/MODEL@REVISION)")
     repo, rev = parsed
     (enable_progress_bars if progress else disable_progress_bars)()
+    hf.utils.logging.set_verbosity_error()  # its warnings are not one line; ours are
     try:
         if file:
             m = re.match(r"^(.*)-\d{5}-of-(\d{5})\.gguf$", file)
@@ -146,7 +152,9 @@ def pull(name: str, file: str | None = None, quant: str | None = None, progress:
             snap = Path(hf.snapshot_download(repo, revision=rev, allow_patterns=patterns))
             target = snap / file
             if not target.exists():
-                raise ModelLoadError(f"{name}: no file {file} in the repository")
+                have = _repo_ggufs(repo, rev)
+                raise ModelLoadError(f"{name}: no file {file} in the repository"
+                                     + (f" (its GGUF files: {', '.join(have)})" if have else ""))
         else:
             snap = Path(hf.snapshot_download(repo, revision=rev, allow_patterns=NEEDED))
             if not (snap / "config.json").exists():

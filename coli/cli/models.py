@@ -87,7 +87,7 @@ def show(name: Annotated[str, typer.Argument(help="A model name from `coli list`
     formats and expert layout."""
     from coli.models_cache import describe, find
 
-    info = describe(find(name), full=True)
+    info = {"name": (entry := find(name))["name"], **describe(entry["path"], full=True)}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
