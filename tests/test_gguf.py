@@ -242,3 +242,20 @@ def test_bad_gguf_files_are_one_line_errors(ggufs, tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match=r"'mamba' is not supported; supported: llama, qwen2"):
         coli.load(tmp_path / "arch.gguf")
+
+
+def test_gguf_moe_converts_and_streams_its_experts(ggufs, tmp_path):
+    """--ram-budget on a GGUF says to convert it; the converted directory (Q8_0 experts
+    repacked as they are) streams within a budget and gives the GGUF's own logits."""
+    from coli.weights.convert import convert
+
+    src = ggufs("qwen3_moe", "Q8_0")
+    with pytest.raises(ModelLoadError, match="coli convert .* OUT"):
+        coli.load(src, ram_budget="1M")
+    ids = prompt_ids(10)
+    ref = coli.load(src, threads=1).forward(ids)
+    out = convert(src, tmp_path / "conv", "int8")
+    streamed = coli.load(out, threads=1, ram_budget=1, pin=0)  # the least the store takes: k experts a layer
+    assert not streamed.weights.store.resident
+    assert np.array_equal(streamed.forward(ids), ref)
+    assert streamed.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi</user><assistant>"
