@@ -18,12 +18,14 @@ from coli.config import ModelConfig
 from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
+from coli.plan import check_before_load
 from coli.quant import check_format
 from coli.sampling import Sampler, SamplingParams
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer, Tokenizer
 from coli.weights.safetensors import Checkpoint
 from coli.weights.converted import ConvertedWeights, is_converted
+from coli.weights.gguf import is_gguf, open_gguf
 from coli.weights.source import HFWeights
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -32,11 +34,13 @@ PREFILL_CHUNK = 256  # prompt tokens per forward pass
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
     """An explicit path, else $COLI_MODEL, else the built-in default model."""
+    from coli.hub import resolve_name  # a path, or a hub name found in the local cache
+
     if path:
-        return Path(path).expanduser()
+        return resolve_name(str(path))
     env = os.environ.get("COLI_MODEL")
     if env:
-        return Path(env).expanduser()
+        return resolve_name(env)
     if (DEFAULT_MODEL_DIR / "config.json").exists():
         return DEFAULT_MODEL_DIR
     raise ModelLoadError("no model given: pass --model DIR (a Hugging Face model directory) or set COLI_MODEL")
@@ -45,7 +49,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
          max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
          ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
-         prefetch: bool = False, **options) -> "Model":
+         prefetch: bool = False, process_budget: int | str | None = None, **options) -> "Model":
     """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
@@ -55,8 +59,10 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     own); ``head_quant`` that of the LM head and embeddings (default: the same,
     except int8 under int4).
 
-    Converted directories only: ``ram_budget`` (bytes or "2G") caps the RAM for
-    experts (default: what is available); below the experts' size they are streamed
+    ``process_budget`` (bytes or "2G", what the CLI's --ram-budget sets) is the whole
+    process's memory: the RAM for experts is what it leaves after the dense weights, KV
+    and buffers (see coli.plan). Converted directories only: ``ram_budget`` caps the RAM for
+    experts alone (default: what is available, or what a cgroup limit leaves); below the experts' size they are streamed
     from disk through per-layer caches with a ``pin`` ("512M") hot set learned from
     .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered";
     ``prefetch`` reads the next layer's likely experts while a layer computes (off by
@@ -70,20 +76,32 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     if io not in ("direct", "buffered"):
         raise InvalidRequestError(f"io must be 'direct' or 'buffered' (got {io!r})")
     model_dir = resolve_model_path(path)
-    cfg = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    if is_converted(model_dir):
-        weights = ConvertedWeights(model_dir, quant, head_quant, dict(
-            ram_budget=_size(ram_budget, "ram_budget"), pin=_size(pin, "pin"), io=io, prefetch=prefetch))
+    # the memory check, before any weight is read; --ram-budget is the whole process
+    plan, experts_budget = check_before_load(model_dir, quant, head_quant, max_context,
+                                             _size(process_budget, "process_budget"))
+    if ram_budget is not None:  # the Python API's experts-only budget
+        experts_budget = _size(ram_budget, "ram_budget")
+    if is_gguf(model_dir):  # a GGUF file: config, tokenizer and weights all come from it
+        cfg, tokenizer, weights = open_gguf(model_dir, quant, head_quant, ram_budget or process_budget)
     else:
-        if ram_budget is not None or pin is not None:
+        cfg = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+    if is_gguf(model_dir):
+        pass
+    elif is_converted(model_dir):
+        weights = ConvertedWeights(model_dir, quant, head_quant, dict(
+            ram_budget=experts_budget, pin=_size(pin, "pin"), io=io, prefetch=prefetch))
+    else:
+        if ram_budget is not None or process_budget is not None or pin is not None:
             raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "
                                       "(coli convert SRC DST --quant int4)")
         weights = HFWeights(Checkpoint(model_dir), quant or "f32", head_quant)
     net = build_model(cfg, weights)
     weights.finish()
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights)
-    return Model(model_dir, cfg, tokenizer, engine, weights)
+    model = Model(model_dir, cfg, tokenizer, engine, weights)
+    model.plan = plan
+    return model
 
 
 def _size(v, name: str) -> int | None:

@@ -6,7 +6,7 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli list"|"coli plan"|"coli ps"|"coli pull"|"coli rm"|"coli run"|"coli serve"|"coli show"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
@@ -45,6 +45,13 @@ _coli() {
         "coli convert --head-quant") COMPREPLY=(); return ;;
         "coli kv inspect --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli kv inspect --model"|"coli kv inspect -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli plan --model"|"coli plan -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli plan --quant"|"coli plan -q") COMPREPLY=(); return ;;
+        "coli plan --ram-budget") COMPREPLY=(); return ;;
+        "coli plan --ctx") COMPREPLY=(); return ;;
+        "coli plan --kv-slots") COMPREPLY=(); return ;;
+        "coli pull --file"|"coli pull -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli pull --quant"|"coli pull -q") COMPREPLY=(); return ;;
         "coli run --model"|"coli run -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --max-tokens"|"coli run -n") COMPREPLY=(); return ;;
         "coli run --temperature") COMPREPLY=(); return ;;
@@ -69,9 +76,6 @@ _coli() {
         "coli serve --allowed-host") COMPREPLY=(); return ;;
         "coli serve --cors-origin") COMPREPLY=(); return ;;
         "coli serve --max-body") COMPREPLY=(); return ;;
-        "coli serve --request-timeout") COMPREPLY=(); return ;;
-        "coli serve --idle-timeout") COMPREPLY=(); return ;;
-        "coli serve --max-connections") COMPREPLY=(); return ;;
         "coli serve --threads"|"coli serve -t") COMPREPLY=(); return ;;
         "coli serve --quant"|"coli serve -q") COMPREPLY=(); return ;;
         "coli serve --ram-budget") COMPREPLY=(); return ;;
@@ -94,9 +98,6 @@ _coli() {
         "coli web --allowed-host") COMPREPLY=(); return ;;
         "coli web --cors-origin") COMPREPLY=(); return ;;
         "coli web --max-body") COMPREPLY=(); return ;;
-        "coli web --request-timeout") COMPREPLY=(); return ;;
-        "coli web --idle-timeout") COMPREPLY=(); return ;;
-        "coli web --max-connections") COMPREPLY=(); return ;;
         "coli web --threads"|"coli web -t") COMPREPLY=(); return ;;
         "coli web --quant"|"coli web -q") COMPREPLY=(); return ;;
         "coli web --ram-budget") COMPREPLY=(); return ;;
@@ -111,7 +112,7 @@ _coli() {
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
+        "coli") words="--version bench chat cluster convert kv list plan ps pull rm run serve show web"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
@@ -119,9 +120,15 @@ _coli() {
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
+        "coli list") words="--json"; files=0 ;;
+        "coli plan") words="--model -m --quant -q --ram-budget --ctx --kv-slots --json"; files=0 ;;
+        "coli ps") words="--json"; files=0 ;;
+        "coli pull") words="--file -f --quant -q"; files=0 ;;
+        "coli rm") words="--yes -y"; files=0 ;;
         "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
-        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli show") words="--json"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -47,7 +47,7 @@ def bench(
         raise fail("pass either --model or --synthetic, not both")
     if decode not in B.DECODE_MODES:
         raise fail(f"--decode must be one of: {', '.join(B.DECODE_MODES)}")
-    opts = {k: v for k, v in dict(ram_budget=ram_budget, pin=pin).items() if v is not None}
+    opts = {k: v for k, v in dict(process_budget=ram_budget, pin=pin).items() if v is not None}
     if synthetic:
         if synthetic not in SPECS:
             raise fail(f"unknown synthetic model {synthetic!r}; choose one of: {', '.join(SPECS)}")

@@ -24,7 +24,8 @@ stderr = Console(stderr=True, highlight=False)
 
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="COLI_MODEL", show_envvar=True,
-    help="Model directory (Hugging Face format). Default: $COLI_MODEL, else the built-in model.")]
+    help="Model: a Hugging Face or converted directory, a .gguf file, or a hub name pulled with coli pull "
+         "(ORG/MODEL). Default: $COLI_MODEL, else the built-in model.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", envvar="COLI_THREADS", show_envvar=True, min=1,
     help="Compute threads. Default: the usable cores.")]
@@ -41,8 +42,8 @@ QuantOpt = Annotated[Optional[Quant], typer.Option(
     help="Weight format: f32, bf16, int8 or int4. Default: f32 for a Hugging Face directory, the converted one's own.")]
 RamBudgetOpt = Annotated[Optional[str], typer.Option(
     "--ram-budget", envvar="COLI_RAM_BUDGET", show_envvar=True,
-    help="RAM for experts of a converted model, e.g. 2G. Below their size, experts stream from disk. "
-         "Default: what is available.")]
+    help="Memory for the whole process, e.g. 2G: weights, KV cache and buffers; a converted MoE model streams "
+         "the experts that do not fit from disk. Default: what is available (a cgroup limit included).")]
 PinOpt = Annotated[Optional[str], typer.Option(
     "--pin", envvar="COLI_PIN", show_envvar=True, help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
 
@@ -64,7 +65,7 @@ def open_runner(model, *, ctx=None, kv_dir=None, persist=True, kv_slots=1):
 
 
 def load_options(quant=None, ram_budget=None, pin=None) -> dict:
-    return {k: v for k, v in dict(quant=quant, ram_budget=ram_budget, pin=pin).items() if v is not None}
+    return {k: v for k, v in dict(quant=quant, process_budget=ram_budget, pin=pin).items() if v is not None}
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:

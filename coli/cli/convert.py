@@ -1,4 +1,4 @@
-"""`coli convert`: quantize a Hugging Face directory into a converted coli directory."""
+"""`coli convert`: quantize a Hugging Face directory or a GGUF file into a converted coli directory."""
 from __future__ import annotations
 
 from typing import Annotated, Optional
@@ -11,7 +11,8 @@ from coli.cli.common import Quant, fail, stderr, user_errors
 
 @user_errors
 def convert(
-    src: Annotated[str, typer.Argument(help="Hugging Face model directory (config.json, *.safetensors, tokenizer).")],
+    src: Annotated[str, typer.Argument(
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer) or a .gguf file.")],
     dst: Annotated[str, typer.Argument(help="Directory to create.")],
     quant: Annotated[Quant, typer.Option("--quant", "-q",
                                        help="The format of the dense weights.")] = "int4",

@@ -15,6 +15,7 @@ from coli.cli.cluster import app as cluster_app
 from coli.cli.common import stderr
 from coli.cli.convert import convert
 from coli.cli.kv import app as kv_app
+from coli.cli.models import list_models, plan, ps, pull, rm, show
 from coli.cli.run import run
 from coli.cli.serve import serve
 from coli.cli.web import web
@@ -33,6 +34,12 @@ app.command()(convert)
 app.command()(bench)
 app.command()(serve)
 app.command()(web)
+app.command()(pull)
+app.command("list")(list_models)
+app.command()(show)
+app.command()(rm)
+app.command()(ps)
+app.command()(plan)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

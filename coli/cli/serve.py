@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Annotated, Optional
 
 import typer
@@ -112,6 +113,10 @@ def serve(
     server = Server(m, runner, config)
 
     def ready(url: str) -> None:
+        from coli.models_cache import register_server  # for coli ps; removed below at exit
+
+        register_server({"model": server.model_id, "path": str(m.path), "url": url,
+                         "kv_slots": runner.config.kv_slots, "ctx": runner.ctx, "started": time.time()})
         key = "an API key" if config.api_key else "no API key"
         typer.echo(f"coli serve: {server.model_id} ({m.config.model_type}, {runner.config.kv_slots} KV slot(s), "
                    f"context {runner.ctx}, {key}) listening on {url} (OpenAI base URL {url}/v1)", err=True)
@@ -129,5 +134,8 @@ def serve(
     except OSError as e:  # the port was taken between the check and the bind
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     finally:
+        from coli.models_cache import unregister_server
+
+        unregister_server()
         runner.close()
         m.close()

@@ -205,7 +205,8 @@ def schemas(model_id: str) -> dict:
                         "timed_out": INT, "cancelled": INT,
                         "slots": {"type": "array", "items": _obj({"slot": INT, "busy": BOOL, "tokens": INT})},
                         "model": STR, "context": INT, "uptime_seconds": NUM, "memory": {"type": "object"},
-                        "hardware": {"type": "object"}}, ("status", "active", "queued", "slots")),
+                        "hardware": {"type": "object"}, "plan": {"type": "object"}},
+                       ("status", "active", "queued", "slots")),
         "Experts": _obj({"rows": INT, "cols": INT, "seq": INT, "tiers": {"type": "object"},
                          "cells": {"type": "string", "contentEncoding": "base64",
                                    "description": "rows x cols bytes, row-major: tier << 6 | heat; tier 0 disk, "

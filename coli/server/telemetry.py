@@ -76,6 +76,8 @@ class Telemetry:
                            "experts_ram_bytes": tiers["cached"], "experts_disk_bytes": tiers["disk"]},
                 "hardware": {"threads": engine.threads, "cpus": os.cpu_count(), "simd": _simd()},
             })
+            if getattr(s.model, "plan", None) is not None:  # the memory plan it was loaded with (coli.plan)
+                body["plan"] = s.model.plan.as_dict()
         return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -67,30 +67,38 @@ class RecordingWeights(HFWeights):
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4", *, head_quant: str | None = None,
             force: bool = False, progress=None) -> Path:
-    """Convert ``src`` (a Hugging Face directory) into ``dst``; returns dst.
+    """Convert ``src`` (a Hugging Face directory or a GGUF file) into ``dst``; returns dst.
 
     ``progress(n_tensors)`` is called as tensors are written (total: ``count_tensors``)."""
     from coli.models import build_model
+
+    from coli.weights.gguf import is_gguf
 
     src, dst = Path(src), Path(dst)
     check_format(quant)
     head_quant = check_format(head_quant or default_head_quant(quant))
     if is_converted(src):
         raise InvalidRequestError(f"{src}: already a converted coli directory")
-    cfg = ModelConfig.from_dir(src)
-    ckpt = Checkpoint(src)
+    gguf = is_gguf(src)  # a GGUF file: coli.weights.gguf_convert writes config, tokenizer and tensors
+    cfg = None if gguf else ModelConfig.from_dir(src)
+    ckpt = None if gguf else Checkpoint(src)
     if dst.exists() and not force:
         raise InvalidRequestError(f"{dst}: already exists; pass --force to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
     try:
-        writer = ConvertedWriter(tmp, quant, head_quant)
-        build_model(cfg, RecordingWeights(ckpt, quant, head_quant, writer, progress))
-        for name in CARRIED_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
-        writer.finish(source_fingerprint(src), cfg.model_type)
+        if gguf:
+            from coli.weights.gguf_convert import convert_gguf
+
+            convert_gguf(src, tmp, quant, head_quant, progress)
+        else:
+            writer = ConvertedWriter(tmp, quant, head_quant)
+            build_model(cfg, RecordingWeights(ckpt, quant, head_quant, writer, progress))
+            for name in CARRIED_FILES:
+                if (src / name).exists():
+                    shutil.copy2(src / name, tmp / name)
+            writer.finish(source_fingerprint(src), cfg.model_type)
         if dst.exists():
             old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
             dst.rename(old)
@@ -105,4 +113,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
 
 
 def count_tensors(src: str | os.PathLike) -> int:
-    return len(Checkpoint(src).names())
+    from coli.weights.gguf import GGUFModel, is_gguf
+
+    return len(GGUFModel(src).tensors) if is_gguf(src) else len(Checkpoint(src).names())

@@ -1,0 +1,431 @@
+"""GGUF files (llama.cpp's format) loaded directly: ``-m model.gguf``.
+
+A GGUF holds the whole model in one file (or a split set ``NAME-00001-of-0000N.gguf``):
+key/value metadata (architecture, sizes, tokenizer, chat template) and tensors under
+llama.cpp's names. ``GGUFModel`` opens it (memory-mapped, through the ``gguf``
+package's reader), ``config()`` maps the metadata onto a coli ``ModelConfig`` and
+``GGUFWeights`` serves its tensors under the Hugging Face names the architecture
+files ask for, undoing what llama.cpp's converter did to them (Llama's q/k row
+permutation, Gemma's ``1 +`` norms).
+
+Weights: F32/F16/BF16 are used as they are; Q8_0 and Q4_0 are 32-weight groups with
+one fp16 scale, exactly coli's int8 / int4 (same nibble order: byte i of a group
+holds element i low and i + 16 high), so they are repacked bit for bit when the
+chosen format is theirs. Every other type (Q4_1, Q5_0/1, K-quants, IQ) is
+dequantized with ``gguf.quants`` and quantized to the chosen format; by default the
+closest coli format (see ``closest_format``). docs/MODELS.md has the table.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from coli._engine import kernels as K
+from coli.config import ModelConfig
+from coli.errors import ModelLoadError
+from coli.quant import check_format, quantize
+from coli.weights.source import ResidentExperts, Weights, default_head_quant
+
+# llama.cpp architecture -> coli model_type (llama with experts is Mixtral)
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+         "gemma3": "gemma3_text"}
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MAGIC = b"GGUF"
+
+# ggml type name -> the coli format it maps to by default
+_CLOSEST = {"F32": "f32", "F16": "f32", "BF16": "bf16", "F64": "f32", "Q8_0": "int8", "Q8_1": "int8",
+            "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
+REPACK = {"Q8_0": "int8", "Q4_0": "int4"}
+
+
+def closest_format(type_name: str) -> str:
+    """The coli format a ggml type maps to by default: exact for F32/F16/BF16 and the
+    repackable Q8_0/Q4_0, int8 for 5- to 8-bit types, int4 for 4 bits and below."""
+    return REPACK.get(type_name) or _CLOSEST.get(type_name, "int4")
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def split_files(path: Path) -> list[Path]:
+    """Every file of a split GGUF given any one of them (or the one file)."""
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"{path}: split GGUF is missing {', '.join(missing)}")
+    return files
+
+
+def _value(field):
+    """A reader field's Python value (str, number, bool or list)."""
+    import gguf
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        sub = types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    v = field.parts[field.data[0]].tolist()[0]
+    return bool(v) if types[0] == gguf.GGUFValueType.BOOL else v
+
+
+class GGUFModel:
+    """An opened GGUF (all files of a split one): ``meta`` and ``tensors`` by name."""
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            import gguf
+        except ImportError:  # pragma: no cover - a dependency
+            raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)") from None
+        self.path = Path(path)
+        self.files = split_files(self.path)
+        self.meta: dict = {}
+        self.tensors: dict = {}
+        for f in self.files:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(4)
+            if head != MAGIC:
+                raise ModelLoadError(f"{f}: not a GGUF file (it starts with {head!r}, not b'GGUF')")
+            try:
+                r = gguf.GGUFReader(f, "r")
+            except Exception as e:  # the reader raises ValueError, struct errors, IndexError ... on damage
+                raise ModelLoadError(f"{f}: truncated or corrupt GGUF ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
+            if not self.meta:
+                self.meta = {k: _value(v) for k, v in r.fields.items() if not k.startswith("GGUF.")}
+            for t in r.tensors:
+                if t.data_offset + t.n_bytes > size:
+                    raise ModelLoadError(f"{f}: truncated: tensor {t.name!r} ends at byte "
+                                         f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
+                self.tensors[t.name] = t
+        self.arch = str(self.meta.get("general.architecture", ""))
+        if self.arch not in ARCHS:
+            raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; "
+                                 f"supported: {', '.join(ARCHS)}")
+
+    def get(self, key: str, default=None):
+        """Metadata ``key``; a leading ``.`` is prefixed with the architecture."""
+        if key.startswith("."):
+            key = self.arch + key
+        return self.meta.get(key, default)
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def file_types(self) -> Counter:
+        """How many weight matrices each ggml type holds (what ``coli show`` prints)."""
+        return Counter(t.tensor_type.name for t in self.tensors.values() if len(t.shape) >= 2)
+
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_dict(hf_config(self), source=str(self.path))
+
+
+def hf_config(g: GGUFModel) -> dict:
+    """The GGUF metadata as a Hugging Face config.json dict."""
+
+    def need(key):
+        v = g.get(key)
+        if v is None:
+            raise ModelLoadError(f"{g.path}: metadata {g.arch + key if key.startswith('.') else key} is missing")
+        return v
+
+    T = g.tensors
+    hidden = int(need(".embedding_length"))
+    heads = int(need(".attention.head_count"))
+    kv = g.get(".attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        kv = kv[0]
+    if "token_embd.weight" not in T:
+        raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' is missing")
+    vocab = int(T["token_embd.weight"].shape[-1])  # ggml shape: (cols, rows)
+    n_layers = int(need(".block_count"))
+    raw = {
+        "model_type": ARCHS[g.arch], "hidden_size": hidden, "num_hidden_layers": n_layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(kv), "vocab_size": vocab,
+        "intermediate_size": int(g.get(".feed_forward_length") or 0),
+        "rms_norm_eps": float(g.get(".attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(g.get(".context_length") or 4096),
+        "tie_word_embeddings": "output.weight" not in T,
+        "attention_bias": "blk.0.attn_q.bias" in T, "hidden_act": "silu",
+        "rope_theta": float(g.get(".rope.freq_base", 10000.0)),
+    }
+    if isinstance(raw["intermediate_size"], list):
+        raw["intermediate_size"] = raw["intermediate_size"][0]
+    if g.get(".attention.key_length"):
+        raw["head_dim"] = int(g.get(".attention.key_length"))
+    rope = _rope_scaling(g)
+    if rope:
+        raw["rope_scaling"] = rope
+    if g.get("tokenizer.ggml.eos_token_id") is not None:
+        raw["eos_token_id"] = int(g.get("tokenizer.ggml.eos_token_id"))
+    experts = int(g.get(".expert_count") or 0)
+    if experts:
+        raw.update(num_experts=experts, num_experts_per_tok=int(need(".expert_used_count")),
+                   moe_intermediate_size=int(g.get(".expert_feed_forward_length") or raw["intermediate_size"]))
+        raw["mlp_only_layers"] = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in T]
+    if g.arch == "llama" and experts:
+        raw["model_type"] = "mixtral"
+        raw["num_local_experts"] = raw.pop("num_experts")
+    elif g.arch == "qwen3moe":
+        raw["norm_topk_prob"] = bool(g.get(".expert_weights_norm", True))
+    elif g.arch == "olmoe":
+        raw["norm_topk_prob"] = bool(g.get(".expert_weights_norm", False))
+        if g.get(".attention.clamp_kqv"):
+            raw["clip_qkv"] = float(g.get(".attention.clamp_kqv"))
+    elif g.arch == "gemma3":
+        _gemma3(g, raw)
+    return raw
+
+
+def _rope_scaling(g: GGUFModel) -> dict | None:
+    kind = g.get(".rope.scaling.type")
+    factor = g.get(".rope.scaling.factor")
+    if not kind or kind == "none" or not factor:
+        if "rope_freqs.weight" in g.tensors:
+            raise ModelLoadError(f"{g.path}: RoPE frequency factors (rope_freqs, Llama 3.1-style scaling) are not "
+                                 "supported in GGUF yet; load the Hugging Face directory instead")
+        return None
+    out = {"rope_type": kind, "factor": float(factor)}
+    orig = g.get(".rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    return out
+
+
+def _gemma3(g: GGUFModel, raw: dict) -> None:
+    raw["hidden_act"] = "gelu_pytorch_tanh"
+    raw["sliding_window"] = int(g.get(".attention.sliding_window") or 4096)
+    pattern = g.get(".attention.sliding_window_pattern")
+    n = raw["num_hidden_layers"]
+    if isinstance(pattern, list) and len(pattern) == n:  # per layer: true = sliding
+        raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        raw["sliding_window_pattern"] = int(pattern or 6)
+    raw["rope_local_base_freq"] = float(g.get(".rope.local_freq_base") or 10000.0)
+    # llama.cpp's gemma3: 1/sqrt(head_dim), except 1/sqrt(hidden/heads) for the 62-layer 27B
+    hd = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if n == 62 else hd
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if g.get("." + key):
+            raw[key] = float(g.get("." + key))
+
+
+# Hugging Face name -> llama.cpp name, for the names coli's architecture files ask for.
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+}
+_GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_HF = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def gguf_name(arch: str, hf: str) -> str | None:
+    base, _, suffix = hf.rpartition(".")
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{suffix}"
+    m = _HF.match(hf)
+    if not m:
+        return None
+    i, part, suffix = m.groups()
+    table = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else _LAYER
+    return f"blk.{i}.{table[part]}.{suffix}" if part in table else None
+
+
+def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (its convert_hf_to_gguf
+    ``permute``: per head, rotate-half rows interleaved for ggml's RoPE)."""
+    hd = rows // n_head
+    h, s, j = np.meshgrid(np.arange(n_head), np.arange(2), np.arange(hd // 2), indexing="ij")
+    return (h * hd + 2 * j + s).reshape(-1)  # hf row h*hd + s*hd/2 + j <- gguf row h*hd + 2j + s
+
+
+class GGUFWeights(Weights):
+    """Tensors of a GGUF under Hugging Face names, in the chosen coli format."""
+
+    def __init__(self, g: GGUFModel, quant: str | None = None, head_quant: str | None = None,
+                 ram_budget=None):
+        self.g = g
+        if ram_budget is not None:
+            raise ModelLoadError(f"{g.path}: --ram-budget streams experts from a converted directory; convert the "
+                                 f"GGUF first: coli convert {g.path} OUT --quant int4, then load OUT")
+        mats = [n for n, t in g.tensors.items() if len(t.shape) >= 2 and n not in ("token_embd.weight", "output.weight")]
+        common = Counter(g.type_name(n) for n in mats).most_common(1)
+        self.quant = check_format(quant) if quant else closest_format(common[0][0] if common else "F32")
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        if head_quant:
+            self.head_quant = check_format(head_quant)
+        elif quant:
+            self.head_quant = default_head_quant(quant)
+        else:
+            self.head_quant = closest_format(g.type_name(head))
+        self.permute = g.arch == "llama"
+        self.n_head = int(g.get(".attention.head_count"))
+        kv = g.get(".attention.head_count_kv", self.n_head)
+        self.n_head_kv = int(kv[0] if isinstance(kv, list) else kv)
+        self.norm_shift = 1.0 if g.arch == "gemma3" else 0.0
+
+    # -- names --------------------------------------------------------------------------------
+
+    def _name(self, hf: str) -> str:
+        name = gguf_name(self.g.arch, hf)
+        if name is None or name not in self.g.tensors:
+            raise ModelLoadError(f"{self.g.path}: tensor {name or hf!r} (for {hf}) is missing")
+        return name
+
+    def has(self, name: str) -> bool:
+        n = gguf_name(self.g.arch, name)
+        return n is not None and n in self.g.tensors
+
+    def _order(self, hf: str, rows: int) -> np.ndarray | None:
+        if self.permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+            return unpermute_rows(rows, self.n_head if ".q_proj." in hf else self.n_head_kv)
+        return None
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    def _f32(self, t) -> np.ndarray:
+        """A tensor as float32 in numpy order (rows, cols)."""
+        import gguf
+
+        kind = t.tensor_type.name
+        if kind == "F32":
+            return np.asarray(t.data, dtype=np.float32)
+        if kind == "F16":
+            return np.asarray(t.data).astype(np.float32)
+        try:
+            return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {kind}, which coli "
+                                 "cannot read (gguf has no dequantizer for it)") from None
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        t = self.g.tensors[self._name(name)]
+        arr = self._f32(t)
+        if arr.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has {arr.size} values, expected {list(shape)}")
+        arr = arr.reshape(shape)
+        if name.endswith(".bias") and (order := self._order(name, shape[0])) is not None:
+            arr = arr[order]
+        if self.norm_shift and name.endswith("norm.weight"):
+            arr = arr - np.float32(self.norm_shift)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def matrix(self, name: str, rows: int, cols: int, fmt: str | None = None, row_order=None) -> K.QMatrix:
+        gname = self._name(name)
+        t = self.g.tensors[gname]
+        if tuple(int(d) for d in t.shape) != (cols, rows):
+            raise ModelLoadError(f"{self.g.path}: tensor {gname!r} has shape {list(t.shape)[::-1]}, "
+                                 f"expected {[rows, cols]}")
+        order = self._order(name, rows)
+        if row_order is not None:
+            order = row_order if order is None else order[row_order]
+        return self._to_matrix(t, np.asarray(t.data), rows, cols, fmt or self.quant, order)
+
+    def _to_matrix(self, t, data: np.ndarray, rows: int, cols: int, fmt: str, order) -> K.QMatrix:
+        kind = t.tensor_type.name
+        if REPACK.get(kind) == fmt:
+            blocks = data.reshape(rows, -1)
+            if order is not None:
+                blocks = blocks[order]
+            return repack(blocks, kind, rows, cols)
+        if kind in ("F32", "F16"):
+            w = np.asarray(data, dtype=np.float32).reshape(rows, cols)
+        else:
+            w = self._dequant(t, data).reshape(rows, cols)
+        if order is not None:
+            w = w[order]
+        return quantize(np.ascontiguousarray(w, dtype=np.float32), fmt)
+
+    def _dequant(self, t, data):
+        import gguf
+
+        try:
+            return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, "
+                                 "which coli cannot read (gguf has no dequantizer for it)") from None
+
+    def _stacked(self, prefix: str, part: str):
+        i = prefix.split(".")[2]
+        name = f"blk.{i}.ffn_{part}_exps.weight"
+        if name not in self.g.tensors:
+            raise ModelLoadError(f"{self.g.path}: tensor {name!r} is missing")
+        return self.g.tensors[name]
+
+    def expert_matrices(self, prefix: str, E: int, H: int, I: int, fmt: str):
+        """(gate, up, down) QMatrix of each expert from the stacked ffn_*_exps tensors."""
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        stacks = {p: self._stacked(prefix, p) for p in shapes}
+        for p, t in stacks.items():
+            rows, cols = shapes[p]
+            if tuple(int(d) for d in t.shape) != (cols, rows, E):
+                raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has shape {list(t.shape)[::-1]}, "
+                                     f"expected {[E, rows, cols]}")
+        data = {p: np.asarray(t.data).reshape(E, shapes[p][0], -1) for p, t in stacks.items()}
+        for e in range(E):
+            yield tuple(self._to_matrix(stacks[p], data[p][e], *shapes[p], fmt, None) for p in ("gate", "up", "down"))
+
+    def expert_tensors(self, prefix, sub, names, E, H, I):
+        """(gate, up, down) float32 per expert (what ``coli convert`` quantizes)."""
+        for mats in self.expert_matrices(prefix, E, H, I, "f32"):
+            yield tuple(np.asarray(m.data) for m in mats)
+
+    def experts(self, prefix, sub, names, E, H, I, k) -> ResidentExperts:
+        table = K.ExpertTable(E, H, I, K.FORMATS[self.quant])
+        for e, mats in enumerate(self.expert_matrices(prefix, E, H, I, self.quant)):
+            table.set(e, *mats)
+        return ResidentExperts(table)
+
+
+def repack(blocks: np.ndarray, kind: str, rows: int, cols: int) -> K.QMatrix:
+    """Q8_0 / Q4_0 blocks (rows, nb * block bytes) as coli int8 / int4, bit for bit."""
+    nb = cols // 32
+    if kind == "Q8_0":
+        b = np.ascontiguousarray(blocks).reshape(rows, nb, 34)
+        d = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(rows, nb)
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, nb * 32)
+        return K.QMatrix(K.FORMATS["int8"], q, np.ascontiguousarray(d), rows, cols)
+    b = np.ascontiguousarray(blocks).reshape(rows, nb, 18)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(rows, nb)
+    q = np.ascontiguousarray(b[..., 2:]).reshape(rows, nb * 16)
+    return K.QMatrix(K.FORMATS["int4"], q, np.ascontiguousarray(d), rows, cols)
+
+
+def open_gguf(path: str | os.PathLike, quant: str | None = None, head_quant: str | None = None, ram_budget=None):
+    """(ModelConfig, Tokenizer, GGUFWeights) of a GGUF file."""
+    from coli.weights.gguf_vocab import tokenizer_from_gguf
+
+    g = GGUFModel(path)
+    cfg = g.config()
+    tokenizer = tokenizer_from_gguf(g)
+    return cfg, tokenizer, GGUFWeights(g, quant, head_quant, ram_budget)

@@ -1,0 +1,154 @@
+"""Write a GGUF of a tiny Hugging Face test checkpoint the way llama.cpp's
+convert_hf_to_gguf.py does: llama.cpp tensor names, Llama's q/k row permutation,
+Gemma's ``1 +`` norms, stacked ``ffn_*_exps`` experts, the metadata keys llama.cpp
+reads, and a byte-level BPE vocabulary of the checkpoint's word tokens."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from coli.weights.safetensors import Checkpoint
+
+GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "olmoe": "olmoe", "gemma3_text": "gemma3"}
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+         "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2") -> Path:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    mt = cfg["model_type"]
+    arch = GGUF_ARCH[mt]
+    ck = Checkpoint(hf_dir)
+    qt = getattr(Q, qtype)
+    nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    L, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_block_count(L)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rp = cfg.get("rope_parameters") or {}
+    if mt == "gemma3_text":
+        w.add_rope_freq_base(rp["full_attention"]["rope_theta"])
+        full = rp["full_attention"]
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_float32(f"{arch}.rope.local_freq_base", rp["sliding_attention"]["rope_theta"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    else:
+        w.add_rope_freq_base(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if rp.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rp["factor"])
+        elif rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rp["factor"])
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if E:
+        w.add_expert_count(E)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if mt == "qwen3_moe":
+            w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+    if cfg.get("clip_qkv"):
+        w.add_clamp_kqv(cfg["clip_qkv"])
+    write_vocab(w, V, vocab)
+
+    def put(name, arr, quantize=True):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        block = gguf.GGML_QUANT_SIZES[qt][0]
+        if not quantize or arr.ndim < 2 or qt == Q.F32 or arr.shape[-1] % block:  # llama.cpp keeps these unquantized
+            w.add_tensor(name, arr)
+        elif qt == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    for hf in ck.names():
+        arr = ck.f32(hf)
+        if hf == "model.embed_tokens.weight":
+            put("token_embd.weight", arr)
+            continue
+        if hf == "model.norm.weight":
+            put("output_norm.weight", arr + (1.0 if mt == "gemma3_text" else 0.0))
+            continue
+        if hf == "lm_head.weight":
+            if not cfg.get("tie_word_embeddings"):
+                put("output.weight", arr)
+            continue
+        parts = hf.split(".")
+        i, rest, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if ".experts." in hf:
+            continue  # stacked below
+        if mt in ("llama", "mixtral") and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            arr = permute(arr, nh if rest.endswith("q_proj") else nkv)
+        if mt == "gemma3_text" and rest.endswith("norm"):
+            arr = arr + 1.0
+        table = {**LAYER, **GEMMA} if mt == "gemma3_text" else LAYER
+        put(f"blk.{i}.{table[rest]}.{suffix}", arr, quantize=table[rest] != "ffn_gate_inp")
+    for i in range(L):
+        for sub, names in (("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                           ("block_sparse_moe.experts", ("w1", "w3", "w2"))):
+            p = f"model.layers.{i}.{sub}"
+            if f"{p}.0.{names[0]}.weight" in ck:
+                n = sum(1 for k in ck.names() if k.startswith(f"{p}.") and k.endswith(f".{names[0]}.weight"))
+                for part, hf in zip(("gate", "up", "down"), names):
+                    put(f"blk.{i}.ffn_{part}_exps.weight", np.stack([ck.f32(f"{p}.{e}.{hf}.weight") for e in range(n)]))
+            elif f"{p}.gate_up_proj" in ck:
+                gu, dn = ck.f32(f"{p}.gate_up_proj"), ck.f32(f"{p}.down_proj")
+                inter = gu.shape[1] // 2
+                put(f"blk.{i}.ffn_gate_exps.weight", gu[:, :inter])
+                put(f"blk.{i}.ffn_up_exps.weight", gu[:, inter:])
+                put(f"blk.{i}.ffn_down_exps.weight", dn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_vocab(w, V: int, kind: str = "gpt2") -> None:
+    """The test checkpoints' vocabulary (w0 .. w{V-1}) as a byte-level BPE with no merges,
+    or a SentencePiece-style one."""
+    import gguf
+
+    toks = [f"w{i}" for i in range(V - 1)] + ["<|end|>"]  # the last id: an end-of-turn control token
+    w.add_tokenizer_model(kind)
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_types([int(gguf.TokenType.NORMAL)] * (V - 1) + [int(gguf.TokenType.CONTROL)])
+    w.add_eos_token_id(V - 1)
+    w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    if kind == "gpt2":
+        w.add_token_merges([])
+    else:
+        w.add_token_scores([0.0] * V)
+    w.add_add_bos_token(False)
