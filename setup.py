@@ -99,6 +99,11 @@ def _openmp_flags(compiler):
 class BuildExt(build_ext):
     """Adds OpenMP flags when the compiler has OpenMP (see the module docstring)."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # the per-path modules compile side by side
+            self.parallel = min(4, os.cpu_count() or 1)
+
     def build_extensions(self):
         omp = _openmp_flags(self.compiler)
         if omp is None:
