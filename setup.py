@@ -1,25 +1,65 @@
 """Only builds the Cython engine; all metadata lives in pyproject.toml.
 
+The kernels (coli/_engine/kernels.pyx and its SIMD headers) are compiled once per SIMD
+path, each into its own extension module coli._engine._kernels_<path>:
+
+  avx512vnni  AVX-512 F/BW/DQ/VL + VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4/5)
+  avx512      AVX-512 F/BW/DQ/VL without VNNI (Skylake-SP/X)
+  avx2        AVX2 + FMA + F16C (Haswell and later, Zen 1-3)
+  scalar      the platform's baseline (any x86-64; the only path on other CPUs)
+
+coli/_engine/kernels.py picks one at import time from CPUID (coli/_engine/_cpu.pyx), so one
+build runs at its best on every CPU; COLI_SIMD=<path> forces one (see docs/PERFORMANCE.md).
+
 Environment switches:
-  COLI_PORTABLE=1      build without -march=native (a binary that runs on any x86-64)
+  COLI_NATIVE=1        one module instead, compiled with -march=native (the fastest code for
+                       this very CPU, which may crash on another one); its path is "native"
+  COLI_SIMD_TARGETS    comma-separated subset of the paths above to build (quicker builds
+                       while working on the kernels); scalar is always built
   COLI_CYTHON_DEBUG=1  bounds and wraparound checks on, -O0 -g (slow; for debugging kernels)
+  COLI_OPENMP=0        build without OpenMP even when the compiler has it
+
+OpenMP: -fopenmp is tried first, then Apple clang's `-Xpreprocessor -fopenmp -lomp` (libomp
+from Homebrew: `brew install libomp`, with its include and lib directories in CPPFLAGS and
+LDFLAGS); when neither compiles, the kernels are built single-threaded (prange runs as a
+plain loop) and a warning says so.
 """
+import glob
 import os
+import platform
 import sys
+import tempfile
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 debug = os.environ.get("COLI_CYTHON_DEBUG") == "1"
-portable = os.environ.get("COLI_PORTABLE") == "1"
+native = os.environ.get("COLI_NATIVE") == "1"
+x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
-compile_args = ["-fopenmp", "-O0" if debug else "-O3", "-std=c11"]
-if debug:
-    compile_args.append("-g")
-if not portable and sys.platform != "darwin":
-    compile_args.append("-march=native")
-link_args = ["-fopenmp"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512cd", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+TARGETS = {  # path -> compiler flags; best first
+    "avx512vnni": _AVX512 + ["-mavx512vnni"],
+    "avx512": _AVX512,
+    "avx2": _AVX2,
+    "scalar": [],
+}
+if native:
+    targets = {"native": ["-march=native"] if x86 else ["-mcpu=native"]}
+elif x86:
+    wanted = os.environ.get("COLI_SIMD_TARGETS")
+    names = [t.strip() for t in wanted.split(",") if t.strip()] if wanted else list(TARGETS)
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown:
+        sys.exit(f"COLI_SIMD_TARGETS: unknown path {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    targets = {t: TARGETS[t] for t in TARGETS if t in names or t == "scalar"}
+else:
+    targets = {"scalar": []}
+
+base_args = ["-O0" if debug else "-O3", "-std=c11"] + (["-g"] if debug else [])
 
 directives = {
     "language_level": 3,
@@ -30,15 +70,77 @@ directives = {
     "nonecheck": False,
 }
 
-extensions = [
-    Extension(
-        "coli._engine.kernels",
-        ["coli/_engine/kernels.pyx"],
-        include_dirs=[np.get_include(), "coli/_engine"],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    )
-]
+_OMP_PROBE = """#include <omp.h>
+int main(void) { int n = 0;
+#pragma omp parallel reduction(+:n)
+n += 1;
+return n > 0 && omp_pause_resource_all(omp_pause_soft) == 0 ? 0 : 1; }
+"""
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives))
+
+def _openmp_flags(compiler):
+    """(compile args, link args) that give OpenMP with this compiler, or None."""
+    if os.environ.get("COLI_OPENMP") == "0":
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp_probe.c")
+        with open(src, "w") as f:
+            f.write(_OMP_PROBE)
+        for cflags, lflags in ((["-fopenmp"], ["-fopenmp"]), (["-Xpreprocessor", "-fopenmp"], ["-lomp"])):
+            try:
+                objs = compiler.compile([src], output_dir=tmp, extra_postargs=cflags)
+                compiler.link_executable(objs, "omp_probe", output_dir=tmp, extra_postargs=lflags)
+                return cflags, lflags
+            except Exception:  # CompileError, LinkError: try the next spelling
+                continue
+    return None
+
+
+class BuildExt(build_ext):
+    """Adds OpenMP flags when the compiler has OpenMP (see the module docstring)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # the per-path modules compile side by side
+            self.parallel = min(4, os.cpu_count() or 1)
+
+    def build_extensions(self):
+        omp = _openmp_flags(self.compiler)
+        if omp is None:
+            self.warn("coli: no OpenMP with this compiler; the kernels are built single-threaded "
+                      "(on macOS: brew install libomp, see docs/PERFORMANCE.md)")
+        for ext in self.extensions:
+            if omp is not None and ext.name.startswith("coli._engine._kernels_"):
+                ext.extra_compile_args = list(ext.extra_compile_args) + omp[0]
+                ext.extra_link_args = list(ext.extra_link_args) + omp[1]
+        super().build_extensions()
+
+
+def _kernels(path, flags):
+    return Extension(
+        f"coli._engine._kernels_{path}",
+        [f"coli/_engine/_kernels_{path}.pyx"],
+        include_dirs=[np.get_include(), "coli/_engine"],
+        extra_compile_args=base_args + flags,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("COLI_SIMD_PATH", f'"{path}"')],
+    )
+
+
+# Each path's module is a one-line stub that includes kernels.pyx (Cython names a module
+# after its file); they are written here, next to kernels.pyx, and are not tracked.
+for _path in targets:
+    _stub = f"coli/_engine/_kernels_{_path}.pyx"
+    _text = f'# generated by setup.py: the kernels for the {_path} path\ninclude "kernels.pyx"\n'
+    if not os.path.exists(_stub) or open(_stub).read() != _text:
+        with open(_stub, "w") as _f:
+            _f.write(_text)
+
+# the single module of builds before run-time dispatch would shadow coli/_engine/kernels.py
+for _old in glob.glob("coli/_engine/kernels.*.so") + glob.glob("coli/_engine/kernels.*.pyd"):
+    os.remove(_old)
+
+extensions = [_kernels(p, f) for p, f in targets.items()]
+extensions.append(Extension("coli._engine._cpu", ["coli/_engine/_cpu.pyx"], include_dirs=["coli/_engine"],
+                            extra_compile_args=base_args))
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives), cmdclass={"build_ext": BuildExt})

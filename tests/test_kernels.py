@@ -27,7 +27,10 @@ def threads(request):
 
 
 def test_simd_path_is_known():
-    assert K.simd_name() in ("avx512", "avx2", "scalar")
+    from coli._engine import dispatch
+
+    assert K.simd_name() in dispatch.PATHS + ("native",)
+    assert K.__name__ == f"coli._engine._kernels_{K.simd_name()}"
 
 
 @pytest.mark.parametrize("M,N,K_", [(1, 1, 1), (1, 7, 33), (3, 17, 15), (5, 31, 47), (9, 64, 128), (4, 4, 16),
@@ -475,17 +478,42 @@ def test_linear_panel_path(min_rows, M, N, K_):
         K.set_panel_min_rows(48)
 
 
+@pytest.mark.parametrize("M,N,K_", [(300, 13, 600), (64, 7, 31), (49, 70, 257), (5, 9, 1000)])
+@pytest.mark.parametrize("min_rows", [1, 10**6])  # token panels, dot-product tiles
+def test_bf16_equals_f32_on_the_widened_weights(M, N, K_, min_rows):
+    """bf16 weights are widened in registers (tiles) or per L1 block (panels; K over one
+    block, more token panels than share one block): bit for bit the f32 kernels' results on
+    the widened weights, on every SIMD path."""
+    x, w, b = rand(M, K_), rand(N, K_, scale=0.2), rand(N)
+    kp = K.padded(K_)
+    scratch = (np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32))
+    mb = quantize(w, "bf16")
+    mf = quantize(dequantize(mb), "f32")
+    outs = [np.empty((M, N), np.float32) for _ in range(2)]
+    K.set_panel_min_rows(min_rows)
+    try:
+        K.qlinear(x, mb, outs[0], b, *scratch)
+        K.qlinear(x, mf, outs[1], b, *scratch)
+    finally:
+        K.set_panel_min_rows(48)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], reference_qlinear(x, mb) + b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
 @pytest.mark.parametrize("min_rows", [1, 10**6])
-def test_moe_experts_f32_many_tokens(min_rows):
+def test_moe_experts_f32_many_tokens(min_rows, fmt):
     """Experts with many tokens go through packed panels; same numbers as the twin."""
-    M, E, k, H, I = 100, 4, 2, 40, 70
+    M, E, k, H, I = 100, 4, 2, 40, 300
     x = rand(M, H)
     gate, up, down = rand(E, I, H, scale=0.3), rand(E, I, H, scale=0.3), rand(E, H, I, scale=0.3)
     idx = np.stack([RNG.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
     w = RNG.random((M, k)).astype(np.float32)
-    table = K.ExpertTable(E, H, I, K.FORMATS["f32"])
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
     for e in range(E):
-        table.set(e, quantize(gate[e], "f32"), quantize(up[e], "f32"), quantize(down[e], "f32"))
+        mats = [quantize(a[e], fmt) for a in (gate, up, down)]
+        table.set(e, *mats)
+        gate[e], up[e], down[e] = (dequantize(q) for q in mats)
     out = np.empty((M, H), np.float32)
     K.set_panel_min_rows(min_rows)
     try:
@@ -501,6 +529,9 @@ def test_release_threads_retires_the_calling_threads_workers():
 
     def tasks():
         return len(os.listdir("/proc/self/task"))
+
+    if not K.has_openmp():
+        pytest.skip("this build has no OpenMP (single-threaded kernels)")
 
     K.set_num_threads(2)
     buf = np.ones(1 << 20, np.int64)

@@ -19,7 +19,6 @@ costs ~150 ns per argument, and a step passes hundreds (see "cheap array
 arguments" below).
 """
 cimport numpy as cnp
-cimport openmp
 import numpy as np
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
@@ -27,8 +26,31 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
+cdef extern from *:
+    """
+    /* OpenMP when the build has it (setup.py probes the compiler); otherwise prange runs as a
+     * plain loop and these do nothing. COLI_SIMD_PATH: the path setup.py compiled this module
+     * for. */
+    #ifdef _OPENMP
+    #include <omp.h>
+    #define COLI_OPENMP 1
+    static void coli_omp_set_threads(int n) { omp_set_num_threads(n); }
+    static int coli_omp_release(void) { return omp_pause_resource_all(omp_pause_soft); }
+    #else
+    #define COLI_OPENMP 0
+    static void coli_omp_set_threads(int n) { (void)n; }
+    static int coli_omp_release(void) { return 0; }
+    #endif
+    #ifndef COLI_SIMD_PATH
+    #define COLI_SIMD_PATH "unknown"
+    #endif
+    """
+    void coli_omp_set_threads(int n) nogil
+    int coli_omp_release() nogil
+    int COLI_OPENMP
+    const char *COLI_SIMD_PATH
+
 cdef extern from "simd.h" nogil:
-    const char *coli_simd_name()
     float coli_dot(const float *a, const float *b, int K)
     void coli_scale_add(float *y, float a, const float *x, float b, int n)
     void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
@@ -65,6 +87,7 @@ cdef extern from "simd_q.h" nogil:
     void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s)
     void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+    void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
 
 cdef enum:
     ROW_BLOCK = 16      # weight rows per parallel work item
@@ -122,7 +145,7 @@ def set_num_threads(int n):
     """Use ``n`` OpenMP threads in every kernel from now on."""
     global _nthreads
     _nthreads = n if n > 0 else 1
-    openmp.omp_set_num_threads(_nthreads)
+    coli_omp_set_threads(_nthreads)
 
 
 def get_num_threads():
@@ -130,8 +153,14 @@ def get_num_threads():
 
 
 def simd_name():
-    """The SIMD path this build was compiled for: avx512, avx2 or scalar."""
-    return coli_simd_name().decode()
+    """The SIMD path of this module: avx512vnni, avx512, avx2, scalar (or native for a
+    COLI_NATIVE=1 build); see coli/_engine/dispatch.py."""
+    return COLI_SIMD_PATH.decode()
+
+
+def has_openmp():
+    """Whether this build runs its parallel loops on OpenMP threads (else single-threaded)."""
+    return bool(COLI_OPENMP)
 
 
 # ---------------------------------------------------------------- cheap array arguments
@@ -684,12 +713,6 @@ def read_bytes(const int64_t[::1] buf):
     return total
 
 
-cdef extern from "omp.h" nogil:
-    ctypedef enum omp_pause_resource_t:
-        omp_pause_soft
-    int omp_pause_resource_all(omp_pause_resource_t kind)
-
-
 def release_threads():
     """Retire the OpenMP worker threads the calling thread started (OpenMP 5's
     omp_pause_resource_all). Call it before another thread takes over the kernels (the
@@ -697,4 +720,4 @@ def release_threads():
     region, and once it counts more threads than cores, all of them stop spin-waiting
     between regions, which halves a decode step on a small machine. The next parallel
     region of the calling thread starts fresh workers. Returns 0 on success."""
-    return omp_pause_resource_all(omp_pause_soft)
+    return coli_omp_release()

@@ -138,8 +138,7 @@ cdef inline void _qlinear_block(const qgroup *g, int b) noexcept nogil:
     n0 = (b - g.first[i]) * g.rb
     nb = g.Ns[i] - n0 if g.Ns[i] - n0 < g.rb else g.rb
     if g.panels != NULL:
-        coli_gemm_tokens(g.panels, g.M, <const float *>g.ms[i].w + <long>n0 * g.K, g.K, nb, g.K, g.Ys[i] + n0,
-                         g.Ns[i])
+        coli_gemm_tokens_any(g.panels, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
     else:
         coli_gemm_any(&g.a, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
     if g.Bs[i] != NULL:
@@ -182,7 +181,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     if M == 0:
         return 0
     g.panels = NULL
-    if fmt == COLI_F32 and M >= PANEL_MIN_ROWS:
+    if (fmt == COLI_F32 or fmt == COLI_BF16) and M >= PANEL_MIN_ROWS:
         g.panels = _panel_scratch(_panel_floats(M, K))
     g.rb = 2 * ROW_BLOCK if g.panels != NULL else ROW_BLOCK
     for i in range(n):
@@ -321,14 +320,11 @@ cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
     cdef int nb = j.inter - n0 if j.inter - n0 < j.rb else j.rb
     cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
     cdef coli_act sub = _rows(j.ax, off)
-    cdef const float *Wf
     cdef float *g = j.g + <long>off * I
     cdef float *u = j.u + <long>off * I
     if j.poff[e] >= 0:
-        Wf = <const float *>j.mats[3 * e].w
-        coli_gemm_tokens(j.panels + <long>j.poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, g + n0, I)
-        Wf = <const float *>j.mats[3 * e + 1].w
-        coli_gemm_tokens(j.panels + <long>j.poff[e] * H, ne, Wf + <long>n0 * H, H, nb, H, u + n0, I)
+        coli_gemm_tokens_any(j.panels + <long>j.poff[e] * H, ne, &j.mats[3 * e], n0, nb, H, g, I)
+        coli_gemm_tokens_any(j.panels + <long>j.poff[e] * H, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
     else:
         coli_gemm_any(&sub, ne, &j.mats[3 * e], n0, nb, H, g, I)
         coli_gemm_any(&sub, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
@@ -343,11 +339,8 @@ cdef void _moe_down(const moe_job *j, int item) noexcept nogil:
     cdef int nb = j.H - n0 if j.H - n0 < j.rb else j.rb
     cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
     cdef coli_act sub = _rows(j.ah, off)
-    cdef const float *Wf
     if j.poff[e] >= 0:
-        Wf = <const float *>j.mats[3 * e + 2].w
-        coli_gemm_tokens(j.panels + <long>j.poff[e] * I, ne, Wf + <long>n0 * I, I, nb, I,
-                         j.y + <long>off * H + n0, H)
+        coli_gemm_tokens_any(j.panels + <long>j.poff[e] * I, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
     else:
         coli_gemm_any(&sub, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
 
@@ -416,12 +409,12 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                               padded(inter) // QK)
     # rows per work item; in decoding (few tokens per expert) longer runs of rows keep each
     # thread's weight reads sequential, which the hardware prefetcher streams best
-    cdef int rb = 2 * ROW_BLOCK if table.fmt == COLI_F32 else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
+    cdef bint wide = table.fmt == COLI_F32 or table.fmt == COLI_BF16
+    cdef int rb = 2 * ROW_BLOCK if wide else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
     job.rb = rb
     cdef int kmax = H if H > inter else inter
-    # f32 experts with many tokens: their gathered rows packed into token panels
-    cdef float *panels = (_panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if table.fmt == COLI_F32
-                          else NULL)
+    # f32 / bf16 experts with many tokens: their gathered rows packed into token panels
+    cdef float *panels = _panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if wide else NULL
     job.panels = panels
     cdef int min_rows = PANEL_MIN_ROWS
     cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4

@@ -459,38 +459,181 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
 COLI_QTILES(coli_q8tile, 0)
 COLI_QTILES(coli_q4tile, 1)
 
-/* bf16 weights x f32 activations: the f32 tile with the weight rows widened on load. */
+/* ---- bf16 weights ----------------------------------------------------------------------
+ * bf16 is the top half of an f32, so widening is a zero-extend and a shift: no AVX512-BF16
+ * needed. Few tokens (decode): the f32 4 x 4 dot-product tiles with the weight vectors
+ * widened as they are loaded. Many tokens (prefill): the f32 token-panel GEMM, with blocks
+ * of COLI_WR rows x COLI_BF16_KC columns widened once into an L1 buffer and then used by
+ * up to COLI_BF16_PANELS token panels (the accumulators of each panel kept in a small
+ * buffer between column chunks), so the widening costs ~1/COLI_BF16_PANELS of an f32 pass
+ * while the weights stay bf16 in memory. Sums run in the same order as the f32 kernels on
+ * the widened weights, so results equal theirs bit for bit. */
+static inline float coli_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#if defined(__AVX512F__)
+static inline cv_t cv_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#elif defined(__AVX2__)
+static inline cv_t cv_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#else
+static inline cv_t cv_load_bf16(const uint16_t *p) { return coli_bf16_to_f32(*p); }
+#endif
+
+/* out[:n] = the bf16 w[:n] as f32 */
+static inline void coli_widen_bf16(const uint16_t *w, int n, float *out) {
+    int k = 0;
+    for (; k + CV_W <= n; k += CV_W) cv_store(out + k, cv_load_bf16(w + k));
+    for (; k < n; k++) out[k] = coli_bf16_to_f32(w[k]);
+}
+
+#define COLI_BTILE(MR, NR)                                                                         \
+    static inline void coli_btile_##MR##x##NR(const float *X, long ldx, const uint16_t *W, long ldw, int K, \
+                                              float *Y, long ldy) {                                \
+        cv_t acc[MR][NR];                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) acc[i][j] = cv_zero();                                    \
+        int k = 0;                                                                                 \
+        for (; k + CV_W <= K; k += CV_W) {                                                         \
+            cv_t w[NR];                                                                            \
+            for (int j = 0; j < NR; j++) w[j] = cv_load_bf16(W + j * ldw + k);                     \
+            for (int i = 0; i < MR; i++) {                                                         \
+                cv_t x = cv_load(X + i * ldx + k);                                                 \
+                for (int j = 0; j < NR; j++) acc[i][j] = cv_fma(x, w[j], acc[i][j]);               \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int j = 0; j < NR; j++) {                                                         \
+                float s = cv_sum(acc[i][j]);                                                       \
+                for (int kk = k; kk < K; kk++) s += X[i * ldx + kk] * coli_bf16_to_f32(W[j * ldw + kk]); \
+                Y[i * ldy + j] = s;                                                                \
+            }                                                                                      \
+    }
+COLI_BTILE(1, 1) COLI_BTILE(1, 2) COLI_BTILE(1, 3) COLI_BTILE(1, 4)
+COLI_BTILE(2, 1) COLI_BTILE(2, 2) COLI_BTILE(2, 3) COLI_BTILE(2, 4)
+COLI_BTILE(3, 1) COLI_BTILE(3, 2) COLI_BTILE(3, 3) COLI_BTILE(3, 4)
+COLI_BTILE(4, 1) COLI_BTILE(4, 2) COLI_BTILE(4, 3) COLI_BTILE(4, 4)
+
+/* bf16 weights x f32 activations, few tokens: Y[m, n] = X[m] . W[n] (4 x 4 tiles). */
 static inline void coli_gemm_bf16(const float *X, long ldx, int M, const uint16_t *W, long ldw, int N,
                                   int K, float *Y, long ldy) {
-    for (int n = 0; n < N; n++)
-        for (int m = 0; m < M; m++) {
-            const uint16_t *w = W + n * ldw;
+    for (int n = 0; n < N; n += 4) {
+        int nr = N - n < 4 ? N - n : 4;
+        for (int m = 0; m < M; m += 4) {
+            int mr = M - m < 4 ? M - m : 4;
             const float *x = X + m * ldx;
-            int k = 0;
-            float s = 0.0f;
-#if defined(__AVX512F__)
-            __m512 acc = _mm512_setzero_ps();
-            for (; k + 16 <= K; k += 16) {
-                __m512i wi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k))), 16);
-                acc = _mm512_fmadd_ps(_mm512_castsi512_ps(wi), _mm512_loadu_ps(x + k), acc);
+            const uint16_t *w = W + n * ldw;
+            float *y = Y + m * ldy + n;
+            switch (mr * 8 + nr) {
+            case 9: coli_btile_1x1(x, ldx, w, ldw, K, y, ldy); break;
+            case 10: coli_btile_1x2(x, ldx, w, ldw, K, y, ldy); break;
+            case 11: coli_btile_1x3(x, ldx, w, ldw, K, y, ldy); break;
+            case 12: coli_btile_1x4(x, ldx, w, ldw, K, y, ldy); break;
+            case 17: coli_btile_2x1(x, ldx, w, ldw, K, y, ldy); break;
+            case 18: coli_btile_2x2(x, ldx, w, ldw, K, y, ldy); break;
+            case 19: coli_btile_2x3(x, ldx, w, ldw, K, y, ldy); break;
+            case 20: coli_btile_2x4(x, ldx, w, ldw, K, y, ldy); break;
+            case 25: coli_btile_3x1(x, ldx, w, ldw, K, y, ldy); break;
+            case 26: coli_btile_3x2(x, ldx, w, ldw, K, y, ldy); break;
+            case 27: coli_btile_3x3(x, ldx, w, ldw, K, y, ldy); break;
+            case 28: coli_btile_3x4(x, ldx, w, ldw, K, y, ldy); break;
+            case 33: coli_btile_4x1(x, ldx, w, ldw, K, y, ldy); break;
+            case 34: coli_btile_4x2(x, ldx, w, ldw, K, y, ldy); break;
+            case 35: coli_btile_4x3(x, ldx, w, ldw, K, y, ldy); break;
+            default: coli_btile_4x4(x, ldx, w, ldw, K, y, ldy); break;
             }
-            s = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__)
-            __m256 acc = _mm256_setzero_ps();
-            for (; k + 8 <= K; k += 8) {
-                __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + k))), 16);
-                acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(x + k), acc);
-            }
-            s = coli_hsum256(acc);
-#endif
-            for (; k < K; k++) {
-                uint32_t bits = (uint32_t)w[k] << 16;
-                float wf;
-                memcpy(&wf, &bits, 4);
-                s += wf * x[k];
-            }
-            Y[m * ldy + n] = s;
         }
+    }
+}
+
+#define COLI_BF16_KC 256    /* columns of a widened weight block */
+#define COLI_BF16_PANELS 8  /* token panels that share one widened block */
+
+/* A[i][0:NP] (+)= W[i] . P over the K columns of one chunk: the f32 panel tile, with its
+ * accumulators in A (not read when first). */
+#define COLI_RTILE_ACC(WR)                                                                         \
+    static inline void coli_rtile_acc_##WR(const float *W, long ldw, const float *P, int K, float *A, \
+                                           int first) {                                            \
+        cv_t a0[WR], a1[WR];                                                                       \
+        for (int i = 0; i < WR; i++) {                                                             \
+            a0[i] = first ? cv_zero() : cv_load(A + i * COLI_NP);                                  \
+            a1[i] = first ? cv_zero() : cv_load(A + i * COLI_NP + CV_W);                           \
+        }                                                                                          \
+        for (int k = 0; k < K; k++) {                                                              \
+            cv_t x0 = cv_load(P + (long)k * COLI_NP), x1 = cv_load(P + (long)k * COLI_NP + CV_W);  \
+            for (int i = 0; i < WR; i++) {                                                         \
+                cv_t w = cv_set1(W[i * ldw + k]);                                                  \
+                a0[i] = cv_fma(w, x0, a0[i]);                                                      \
+                a1[i] = cv_fma(w, x1, a1[i]);                                                      \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < WR; i++) {                                                             \
+            cv_store(A + i * COLI_NP, a0[i]);                                                      \
+            cv_store(A + i * COLI_NP + CV_W, a1[i]);                                               \
+        }                                                                                          \
+    }
+COLI_RTILE_ACC(1) COLI_RTILE_ACC(2) COLI_RTILE_ACC(3) COLI_RTILE_ACC(4) COLI_RTILE_ACC(5) COLI_RTILE_ACC(6)
+#if COLI_WR == 8
+COLI_RTILE_ACC(7) COLI_RTILE_ACC(8)
+#endif
+
+static inline void coli_rtile_acc(int wr, const float *W, long ldw, const float *P, int K, float *A, int first) {
+    switch (wr) {
+    case 1: coli_rtile_acc_1(W, ldw, P, K, A, first); break;
+    case 2: coli_rtile_acc_2(W, ldw, P, K, A, first); break;
+    case 3: coli_rtile_acc_3(W, ldw, P, K, A, first); break;
+    case 4: coli_rtile_acc_4(W, ldw, P, K, A, first); break;
+    case 5: coli_rtile_acc_5(W, ldw, P, K, A, first); break;
+#if COLI_WR == 8
+    case 6: coli_rtile_acc_6(W, ldw, P, K, A, first); break;
+    case 7: coli_rtile_acc_7(W, ldw, P, K, A, first); break;
+    default: coli_rtile_acc_8(W, ldw, P, K, A, first); break;
+#else
+    default: coli_rtile_acc_6(W, ldw, P, K, A, first); break;
+#endif
+    }
+}
+
+/* Y[m, 0:nb] = X[m] . W[0:nb] for all m < M, bf16 W, X packed into token panels P (as
+ * coli_gemm_tokens). */
+static inline void coli_gemm_tokens_bf16(const float *P, int M, const uint16_t *W, long ldw, int nb, int K,
+                                         float *Y, long ldy) {
+    _Alignas(64) float wbuf[COLI_WR * COLI_BF16_KC];
+    _Alignas(64) float acc[COLI_BF16_PANELS][COLI_WR * COLI_NP];
+    int npan = (M + COLI_NP - 1) / COLI_NP;
+    for (int n = 0; n < nb; n += COLI_WR) {
+        int wr = nb - n < COLI_WR ? nb - n : COLI_WR;
+        for (int g0 = 0; g0 < npan; g0 += COLI_BF16_PANELS) {
+            int gn = npan - g0 < COLI_BF16_PANELS ? npan - g0 : COLI_BF16_PANELS;
+            for (int k0 = 0; k0 < K; k0 += COLI_BF16_KC) {
+                int kc = K - k0 < COLI_BF16_KC ? K - k0 : COLI_BF16_KC;
+                for (int i = 0; i < wr; i++) coli_widen_bf16(W + (long)(n + i) * ldw + k0, kc, wbuf + i * COLI_BF16_KC);
+                for (int p = 0; p < gn; p++)
+                    coli_rtile_acc(wr, wbuf, COLI_BF16_KC, P + (long)(g0 + p) * K * COLI_NP + (long)k0 * COLI_NP, kc,
+                                   acc[p], k0 == 0);
+            }
+            for (int p = 0; p < gn; p++) {
+                int t0 = (g0 + p) * COLI_NP, nt = M - t0 < COLI_NP ? M - t0 : COLI_NP;
+                for (int j = 0; j < nt; j++)
+                    for (int i = 0; i < wr; i++) Y[(long)(t0 + j) * ldy + n + i] = acc[p][i * COLI_NP + j];
+            }
+        }
+    }
+}
+
+/* The token-panel GEMM for an f32 or bf16 W: Y[m, n0 + n] for n < nb (see coli_gemm_tokens). */
+static inline void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                        long ldy) {
+    if (W->fmt == COLI_BF16)
+        coli_gemm_tokens_bf16(P, M, (const uint16_t *)W->w + (long)n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
+    else
+        coli_gemm_tokens(P, M, (const float *)W->w + (long)n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
 }
 
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, any format. K: logical columns. */
@@ -528,8 +671,7 @@ static inline void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     if (W->fmt == COLI_F32) {
         memcpy(out, (const float *)W->w + r * W->ldw, K * sizeof(float));
     } else if (W->fmt == COLI_BF16) {
-        const uint16_t *w = (const uint16_t *)W->w + r * W->ldw;
-        for (int k = 0; k < K; k++) { uint32_t b = (uint32_t)w[k] << 16; memcpy(out + k, &b, 4); }
+        coli_widen_bf16((const uint16_t *)W->w + (long)r * W->ldw, K, out);
     } else if (W->fmt == COLI_Q8) {
         const int8_t *q = (const int8_t *)W->w + r * W->ldw;
         for (int k = 0; k < K; k++) out[k] = coli_f16_to_f32(W->d[r * W->ldd + k / QK]) * q[k];

@@ -1,0 +1,85 @@
+"""Run-time SIMD dispatch: one build carries the kernels for every path (setup.py), the
+best one the CPU has is chosen at import, and COLI_SIMD forces one. Every path this
+machine can run passes the kernel parity tests (tests/test_kernels.py, against the NumPy
+twins) in a process of its own; paths the CPU lacks are skipped with a message."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coli._engine import dispatch
+from coli._engine import kernels as K
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FEATURES = dispatch.cpu_features()
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.pop("COLI_SIMD", None)
+    env.update(extra)
+    return env
+
+
+def test_default_is_the_best_path_cpu_and_build_have():
+    assert K.simd_name() == dispatch.choose(None)
+    assert K.simd_name() == dispatch.runnable()[0]
+    want = next(p for p in dispatch.PATHS if dispatch.NEEDS[p] <= FEATURES and p in dispatch.built())
+    assert dispatch.choose(None) in (want, "native")
+
+
+def test_choice_follows_the_features():
+    built = dispatch.built()
+    avx2 = frozenset({"avx", "avx2", "fma", "f16c"})
+    if "avx2" in built:
+        assert dispatch.choose(None, avx2) in ("avx2", "native")
+    if "avx512vnni" in built:
+        assert dispatch.choose(None, dispatch.NEEDS["avx512vnni"]) in ("avx512vnni", "native")
+    assert dispatch.choose(None, frozenset()) in ("scalar", "native")
+    assert dispatch.runnable(frozenset())[-1] == "scalar"
+
+
+@pytest.mark.parametrize("path", ["avx512vnni", "avx512", "avx2"])
+def test_a_path_the_cpu_lacks_is_refused(path):
+    if path not in dispatch.built():
+        pytest.skip(f"this build has no {path} kernels")
+    lacking = dispatch.NEEDS[path] - {"avx2" if path == "avx2" else "avx512bw"}
+    with pytest.raises(dispatch.SimdUnavailableError, match=f"COLI_SIMD={path}: this CPU lacks"):
+        dispatch.choose(path, lacking)
+    with pytest.raises(dispatch.SimdUnavailableError, match="unknown SIMD path"):
+        dispatch.choose("avx1024", FEATURES)
+
+
+def test_cli_refuses_a_bad_path_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "coli.cli", "bench", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=_env(COLI_SIMD="avx1024"))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "COLI_SIMD='avx1024': unknown SIMD path" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("path", dispatch.PATHS)
+def test_every_path_passes_the_kernel_parity_tests(path):
+    """The same installed build, forced onto each path: loads, reports the path, and passes
+    every kernel's NumPy-twin test (one thread; thread independence is tested on the default
+    path by tests/test_kernels.py itself)."""
+    if path not in dispatch.built():
+        pytest.skip(f"this build has no {path} kernels (see COLI_SIMD_TARGETS in setup.py)")
+    missing = sorted(dispatch.NEEDS[path] - FEATURES)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {path} path cannot run here")
+    env = _env(COLI_SIMD=path)
+    r = subprocess.run([sys.executable, "-c", "from coli._engine import kernels as K; print(K.simd_name())"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == path
+    if path == K.simd_name():
+        return  # tests/test_kernels.py runs in this very process on it
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "1thread",
+                        "tests/test_kernels.py"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
