@@ -96,9 +96,9 @@ class ScriptedSampler(Sampler):
         self.ids = None if script is None else self.tokenizer.encode(script, add_special_tokens=False) + [self.eos]
         self.is_greedy = self.is_greedy and self.ids is None  # a script is not the argmax: the runner must call sample
 
-    def sample(self, logits, generated=()):
+    def sample(self, logits, generated=(), allowed=None):
         if self.ids is None:
-            return super().sample(logits, generated)
+            return super().sample(logits, generated, allowed)
         return self.ids[min(len(generated), len(self.ids) - 1)]
 
 
