@@ -13,7 +13,8 @@ earlier assistant call is rendered the same way and a tool result comes back as 
 turn ``<tool_response>...</tool_response>``. Templates with native tool calling keep
 their own format; where it is this syntax (Qwen), the same grammar checks the call.
 
-**The grammar** (Lark, llguidance's dialect): "text, or calls" for ``tool_choice`` auto,
+**The grammar** (Lark, llguidance's dialect): "text, then calls" for ``tool_choice`` auto
+(where ``<tool_call>`` is plain text rather than one token: "text, or calls"),
 "calls" for required, "a call of f" for a named function; a call's ``arguments`` follow
 the tool's JSON schema (strictly for ``strict: true`` tools, else leniently: keywords
 llguidance does not implement are ignored). Where the template reasons (``<think>``), an
@@ -132,10 +133,12 @@ def json_answer(schema: dict, *, reasoning=None, in_reasoning=False, param: str 
 
 
 def tool_constraint(tools: list[dict], choice, *, parallel: bool = True, reasoning=None, in_reasoning: bool = False,
-                    param: str = "tools", tokens: frozenset[str] = frozenset()) -> Constraint:
+                    param: str = "tools", tokens: frozenset[str] = frozenset(),
+                    text: Constraint | None = None) -> Constraint:
     """The answer to a request with tools, in the Hermes syntax (``<tool_call>`` blocks).
     ``choice``: None/"auto" (text or calls), "required" (calls), or a function name (a
-    call of it). ``tools``: OpenAI-shaped ``{"type": "function", "function": {...}}``."""
+    call of it). ``tools``: OpenAI-shaped ``{"type": "function", "function": {...}}``.
+    ``text``: what a text answer must match instead (with ``auto``; e.g. a JSON schema)."""
     fns = [t["function"] for t in tools]
     if choice not in (None, "auto", "required"):
         fns = [f for f in fns if f["name"] == choice]
@@ -150,8 +153,13 @@ def tool_constraint(tools: list[dict], choice, *, parallel: bool = True, reasoni
     rules.append(f"call: {_marker(BEGIN, tokens)} {_lit(chr(10))} body {_lit(chr(10))} {_marker(END, tokens)}")
     rules.append("calls: call (" + _lit("\n") + " call)*" if parallel else "calls: call")
     prefix, think = _reasoning_rules(reasoning, in_reasoning, tokens)
-    if choice in (None, "auto"):
-        answer = "calls | TEXT"
+    if choice in (None, "auto") and text is not None:
+        answer = "calls | text"
+        rules.append(f"text: %llguidance {text.grammar}")
+    elif choice in (None, "auto"):
+        # text, then calls: where the call marker is one token, text cannot swallow it; where it is
+        # plain text (the generic format on most vocabularies), an answer is text or calls
+        answer = "TEXT? calls | TEXT" if BEGIN in tokens else "calls | TEXT"
         rules.append("TEXT: " + _NOT_CLOSE.format(_regex_escape(BEGIN)))
     else:
         answer = "calls"
