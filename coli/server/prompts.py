@@ -38,6 +38,7 @@ class Prompt:
     tool_list: list[dict] | None = None  # the active tools
     tool_choice: str | None = None
     tool_grammar: bool = False  # the calls' syntax has a grammar (coli.server.structured constrains them)
+    thinking: bool = True  # the template was not told enable_thinking=False: the answer may open reasoning
 
     def parser(self, server) -> OutputParser:
         return OutputParser(self.chat_format or server.chat_format, tools=self.tools, in_reasoning=self.in_reasoning,
@@ -212,7 +213,7 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
     if not ids:
         raise invalid("the rendered prompt is empty", "messages")
     return Prompt(ids, text, active, in_reasoning, primed, parallel, continuing, fmt, tools if active else None,
-                  tool_choice, tool_grammar)
+                  tool_choice, tool_grammar, kwargs.get("enable_thinking", True) is not False)
 
 
 def implicit_stops(server, prompt_ids_only: bool = False) -> tuple[list[str], frozenset[int]]:

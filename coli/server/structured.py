@@ -113,8 +113,9 @@ def constraint(server, answer: Answer, prompt=None) -> Constraint | None:
     answer asked for; checked against the model's vocabulary (400 naming the field)."""
     vocab = server.runner.vocabulary
     fmt = prompt.chat_format if prompt is not None else None
-    reasoning = fmt.reasoning if fmt is not None else None
     in_reasoning = prompt.in_reasoning if prompt is not None else False
+    # an optional reasoning block where the template reasons and thinking is on (or the prompt opened it)
+    reasoning = fmt.reasoning if fmt is not None and (prompt.thinking or in_reasoning) else None
     try:
         if prompt is not None and prompt.continued and (answer.constrained or prompt.tool_grammar):
             raise invalid("a trailing assistant message cannot be continued under a constraint "
