@@ -37,6 +37,8 @@ _coli() {
         "coli chat --slots") COMPREPLY=(); return ;;
         "coli chat --url") COMPREPLY=(); return ;;
         "coli chat --api-key") COMPREPLY=(); return ;;
+        "coli chat --json-schema") COMPREPLY=(); return ;;
+        "coli chat --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli cluster status --url") COMPREPLY=(); return ;;
         "coli cluster status --address") COMPREPLY=(); return ;;
         "coli cluster status --cluster-name") COMPREPLY=(); return ;;
@@ -58,6 +60,8 @@ _coli() {
         "coli run --pin") COMPREPLY=(); return ;;
         "coli run --ctx") COMPREPLY=(); return ;;
         "coli run --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli run --json-schema") COMPREPLY=(); return ;;
+        "coli run --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --model"|"coli serve -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --host") COMPREPLY=(); return ;;
         "coli serve --port"|"coli serve -p") COMPREPLY=(); return ;;
@@ -107,13 +111,13 @@ _coli() {
     case "$cmd" in
         "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
-        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
+        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
-        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
+        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --json-schema --grammar"; files=0 ;;
         "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
         "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac

@@ -195,3 +195,34 @@ def test_a_template_without_tool_calling_answers_a_forced_call(builtin):
         model="tiny", max_tokens=80, messages=[{"role": "user", "content": "Time?"}], tool_choice={"type": "any"},
         tools=[{"name": "get_time", "input_schema": TOOLS[1]["function"]["parameters"]}])
     assert m.stop_reason == "tool_use" and m.content[-1].input["zone"] in ("UTC", "CET")
+
+
+def coli_cli(*args, stdin="", tmp=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLI_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "coli.cli", *args, "--no-kv-persist"], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_run_json_schema_and_grammar(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(WEATHER))
+    r = coli_cli("run", "--json-schema", str(schema), "--temperature", "1", "--seed", "3", "Weather?")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), WEATHER)  # stdout is exactly the document (| jq . works)
+    r = coli_cli("run", "--json-schema", '{"enum": ["up", "down"]}', "Which way?")
+    assert r.returncode == 0 and json.loads(r.stdout) in ("up", "down")
+    gbnf = tmp_path / "yn.gbnf"
+    gbnf.write_text('root ::= "yes" | "no"\n')
+    r = coli_cli("chat", "--grammar", str(gbnf), stdin="Is it?\n")  # piped chat
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
+    bad = tmp_path / "bad.lark"
+    bad.write_text('start: "x" nowhere\n')
+    for args in (["--grammar", str(bad)], ["--json-schema", '{"type": "strin"}'], ["--json-schema", "missing.json"],
+                 ["--json-schema", "{oops"]):
+        r = coli_cli("run", *args, "hi")
+        assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") <= 3, r.stderr
+        assert ("--grammar" if args[0] == "--grammar" else "--json-schema") in r.stderr
