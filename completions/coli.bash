@@ -21,6 +21,8 @@ _coli() {
         "coli bench --repeats") COMPREPLY=(); return ;;
         "coli bench --io") COMPREPLY=(); return ;;
         "coli bench --decode") COMPREPLY=(); return ;;
+        "coli bench --schema") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli bench --batch") COMPREPLY=(); return ;;
         "coli chat --model"|"coli chat -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli chat --max-tokens"|"coli chat -n") COMPREPLY=(); return ;;
         "coli chat --temperature") COMPREPLY=(); return ;;
@@ -110,7 +112,7 @@ _coli() {
     local words files=0
     case "$cmd" in
         "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
-        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
+        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --constrained --schema --batch"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
