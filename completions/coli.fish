@@ -25,7 +25,7 @@ complete -c coli -n '__fish_seen_subcommand_from bench' -l no-prefetch -d 'Turn 
 complete -c coli -n '__fish_seen_subcommand_from bench' -l io -x -d 'direct (bypass the page cache) or buffered'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l decode -x -d 'greedy: feed back the argmax'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l json -d 'Print one JSON object instead of a table'
-complete -c coli -n '__fish_seen_subcommand_from bench' -l constrained -d 'Decode under a JSON schema (a realistic nested one, or --schema) vs unconstrained: tok/s, mask time per token, forced-token share, steps saved by folding'
+complete -c coli -n '__fish_seen_subcommand_from bench' -l constrained -d 'Decode under a JSON schema (a realistic nested one, or --schema) vs unconstrained: tok/s, mask time per token, forced-token share, steps saved by folding; --gen-tokens caps each answer (400 when left at 64)'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l schema -r -F -d 'The JSON schema for --constrained'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l batch -x -d 'Requests decoded together (--constrained)'
 complete -c coli -n '__fish_seen_subcommand_from chat' -l model -s m -r -F -d 'Model directory (Hugging Face format)'
