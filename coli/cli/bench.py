@@ -37,7 +37,8 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     constrained: Annotated[bool, typer.Option(
         "--constrained", help="Decode under a JSON schema (a realistic nested one, or --schema) vs unconstrained: "
-                              "tok/s, mask time per token, forced-token share, steps saved by folding; --gen-tokens caps each answer (400 when left at 64).")] = False,
+                              "tok/s, mask time per token, forced-token share, steps saved by folding; "
+                              "--gen-tokens caps each answer (400 when left at 64).")] = False,
     schema: Annotated[Optional[Path], typer.Option("--schema", metavar="FILE",
                                                    help="The JSON schema for --constrained.")] = None,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoded together (--constrained).")] = 1,
