@@ -99,7 +99,8 @@ class ScriptedSampler(Sampler):
     def __init__(self, params):
         super().__init__(params)
         self.script = SCRIPTS.get(params.seed) if params.seed is not None else None
-        self.is_greedy = self.is_greedy and self.script is None  # a script is not the argmax: the runner must call sample
+        # a script is not the argmax: the runner must call sample
+        self.is_greedy = self.is_greedy and self.script is None
 
     def sample(self, logits, generated=(), allowed=None):
         if self.script is None:

@@ -229,3 +229,16 @@ def test_generated_schemas_validate(model, runner, schema, seed):
     text, finish, _ = answer(runner.submit(prompt(model), max_tokens=150, constraint=c,
                                            sampling=SamplingParams(temperature=1.0, seed=seed)))
     check(schema, text, finish)
+
+
+def test_a_reused_prefix_gives_the_same_constrained_answer(model, runner):
+    c = Constraint.json_schema(SCHEMAS[0])
+    ids = prompt(model, "Who is it?")
+    cold = runner.submit(ids, max_tokens=120, constraint=c, cache_slot=3, sampling=SamplingParams(temperature=0))
+    first = answer(cold)
+    warm = runner.submit(ids, max_tokens=120, constraint=c, cache_slot=3, sampling=SamplingParams(temperature=0))
+    events = list(warm)
+    started = events[0]
+    assert started.cached_tokens > 0  # the prompt's KV came from the slot
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == first[0]
+    check(SCHEMAS[0], *first[:2])

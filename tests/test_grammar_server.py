@@ -226,3 +226,16 @@ def test_cli_run_json_schema_and_grammar(tmp_path):
         r = coli_cli("run", *args, "hi")
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") <= 3, r.stderr
         assert ("--grammar" if args[0] == "--grammar" else "--json-schema") in r.stderr
+
+
+def test_a_strict_tool_schema_that_does_not_compile_is_a_400_a_lax_one_any_object(srv):
+    broken = {"type": "object", "properties": {"x": {"type": "strin"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": broken, "strict": True}}
+    status, _, out = http(srv, "POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 5,
+                                                                "tools": [tool], "tool_choice": "required"})
+    assert status == 400 and out["error"]["param"] == "tools[0].function.parameters", out
+    lax = {"type": "function", "function": {"name": "f", "parameters": broken}}
+    status, _, out = http(srv, "POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 30,
+                                                                "tools": [lax], "tool_choice": "required",
+                                                                "temperature": 1.0, "seed": 3})
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("tool_calls", "length"), out

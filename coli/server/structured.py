@@ -19,6 +19,7 @@ reason. Where the template reasons (``<think>``), a reasoning block may come fir
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from coli.grammar import Constraint, GrammarError
@@ -122,7 +123,7 @@ def constraint(server, answer: Answer, prompt=None) -> Constraint | None:
                           "(response_format, x_colibri_grammar or tools)", "messages")
         if prompt is not None and prompt.tool_grammar:
             text = _answer_constraint(answer, reasoning=None, in_reasoning=False, tokens=vocab.added)
-            c = T.tool_constraint(prompt.tool_list, prompt.tool_choice, parallel=prompt.parallel, reasoning=reasoning,
+            c = T.tool_constraint(_usable_tools(prompt.tool_list, vocab), prompt.tool_choice, parallel=prompt.parallel, reasoning=reasoning,
                                   in_reasoning=in_reasoning, tokens=vocab.added, text=text)
         elif answer.constrained:
             c = _answer_constraint(answer, reasoning, in_reasoning, vocab.added)
@@ -132,6 +133,34 @@ def constraint(server, answer: Answer, prompt=None) -> Constraint | None:
     except GrammarError as e:
         raise invalid(str(e), e.param) from None
     return c
+
+
+def _usable_tools(tools: list[dict], vocab) -> list[dict]:
+    """The tools, where a non-strict tool's schema that does not compile even leniently
+    lets its arguments be any JSON object (a strict one is refused, naming it)."""
+    out = []
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        schema = fn.get("parameters") or {"type": "object"}
+        strict = bool(fn.get("strict"))
+        key = (id(vocab), strict, json.dumps(schema, sort_keys=True))
+        ok = _SCHEMA_OK.get(key)
+        if ok is None:
+            try:
+                Constraint.json_schema(schema, param=f"tools[{i}].function.parameters", strict=strict).check(vocab)
+                ok = True
+            except GrammarError:
+                if strict:
+                    raise
+                ok = False
+            if len(_SCHEMA_OK) > 1024:
+                _SCHEMA_OK.clear()
+            _SCHEMA_OK[key] = ok
+        out.append(t if ok else {**t, "function": {**fn, "parameters": {"type": "object"}}})
+    return out
+
+
+_SCHEMA_OK: dict[tuple, bool] = {}  # (vocabulary, strict, schema) -> it compiles
 
 
 def _answer_constraint(answer: Answer, reasoning, in_reasoning: bool, tokens) -> Constraint | None:
