@@ -204,6 +204,7 @@ class OutputParser:
         self._content = False  # non-whitespace answer text was emitted
         self.calls = 0
         self.malformed = False
+        self.truncated = False  # the answer ended inside a call that does not parse (yet)
         self.done = False
         if primed:
             self.push(primed)
@@ -231,12 +232,16 @@ class OutputParser:
             if buf.strip():
                 out.append(ReasoningDelta(buf.rstrip() if not self._strip else buf.strip()))
         elif self.mode == "tool":
+            was = self.malformed
             self._close_call(buf, out, closed=False)
+            self.truncated = self.malformed and not was  # an unclosed call that does not parse
         elif buf and not (self.calls and not buf.strip()):
             out.append(self._text(buf))
         return [e for e in out if not isinstance(e, TextDelta) or e.text]
 
     def finish_reason(self, reason: str) -> str:
+        if self.truncated and reason == "length":  # cut by max_tokens, not written wrong
+            return reason
         if self.malformed:
             return "malformed_tool_call"
         return "tool_calls" if self.calls else reason

@@ -26,6 +26,7 @@ import numpy as np
 from coli._engine import kernels as K
 from coli.engine import Engine, KVCache, available_memory
 from coli.errors import InvalidRequestError
+from coli.grammar import hook as grammar
 from coli.kv.format import Layout
 from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_format
 from coli.metrics import SchedulerMetrics
@@ -98,6 +99,7 @@ class _Generation:
     logprobs: int | None = None  # None: off; n: the sampled token's logprob and the n likeliest
     bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids, values) added to the logits
     score_from: int | None = None  # a scoring request: logprobs of prompt[score_from:], no generation
+    guided: grammar.GuidedState | None = None  # a constraint (coli.grammar): masks and forced tokens
     scores: list[float] = field(default_factory=list)
     text_seen: bool = False  # non-whitespace text was produced
     generated: list[int] = field(default_factory=list)
@@ -122,7 +124,7 @@ class Runner:
     def __init__(self, model, *, kv_slots: int | None = None, max_queue: int | None = None,
                  queue_timeout: float | None = None, ctx: int | None = None, prefill_chunk: int = 256,
                  kv_dir: str | Path | None = None, persist: bool = True, metrics: SchedulerMetrics | None = None,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None, fold_forced: bool = True):
         self.model, self.engine, self.tokenizer = model, model.engine, model.tokenizer
         self.notice = notice or log.info
         base = SchedulerConfig.from_env(kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout)
@@ -135,6 +137,11 @@ class Runner:
         histories = self._restore()
         self.metrics = metrics or SchedulerMetrics()
         self.steps = 0  # engine steps run (front ends use it to tell what changed)
+        # constraints (coli.grammar): forced tokens fed in one multi-token step, masks computed meanwhile
+        self.fold_forced = fold_forced
+        self.grammar_stats = grammar.GrammarStats()
+        self._masks = grammar.MaskWorker()
+        self._vocabulary = None
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
         # The kernels run on the runner's thread from now on: retire the OpenMP workers this
@@ -149,7 +156,7 @@ class Runner:
                stop: str | Sequence[str] | None = None, cache_slot: int | None = None, routing: bool = False,
                request_id: str | None = None, ignore_leading_stop: bool = False,
                stop_token_ids: Collection[int] = (), logprobs: int | None = None,
-               logit_bias: Mapping[int, float] | None = None, parser=None) -> RequestHandle:
+               logit_bias: Mapping[int, float] | None = None, parser=None, constraint=None) -> RequestHandle:
         """Queue a generation for prompt token ids; returns its handle at once.
 
         Raises (before any event) InvalidRequestError for bad input,
@@ -165,7 +172,9 @@ class Runner:
         added to those token ids' logits before sampling. ``parser``: an object with
         ``push(text) -> events``, ``finish() -> events``, ``done`` (stop now) and
         ``finish_reason(reason)``, e.g. coli.chat_format.OutputParser, that turns the text
-        into reasoning, text and tool-call events."""
+        into reasoning, text and tool-call events. ``constraint``: a coli.grammar.Constraint
+        the answer must match (token masks before sampling, forced tokens fed at once; raises
+        its GrammarError when it does not compile)."""
         ids = self._check_prompt(prompt)
         if sampling is None:
             sampling = self.model.sampling_params()
@@ -179,15 +188,24 @@ class Runner:
             if keys.min() < 0 or keys.max() >= vocab:
                 raise InvalidRequestError(f"logit_bias: token ids must lie in 0..{vocab - 1}")
             bias = (keys, np.fromiter((float(v) for v in logit_bias.values()), dtype=np.float32, count=len(keys)))
+        guided = None if constraint is None else grammar.GuidedState(grammar.Guide(constraint, self.vocabulary))
         req = Request(ids, int(max_tokens), cache_slot)
         if request_id is not None:
             req.request_id = request_id
         handle = RequestHandle(req, self.scheduler.cancel)
         req.payload = _Generation(handle, Sampler(sampling), StopMatcher(stop, ignore_leading_stop),
                                   IncrementalDetokenizer(self.tokenizer), routing, parser=parser,
-                                  stop_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs, bias=bias)
+                                  stop_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs, bias=bias,
+                                  guided=guided)
         self.scheduler.add_request(req)
         return handle
+
+    @property
+    def vocabulary(self):
+        """The model's vocabulary as coli.grammar sees it (built on first use)."""
+        if self._vocabulary is None:
+            self._vocabulary = grammar.Vocabulary.of(self.model)
+        return self._vocabulary
 
     def score(self, prompt: Sequence[int], start: int, *, cache_slot: int | None = None,
               request_id: str | None = None) -> RequestHandle:
@@ -231,6 +249,7 @@ class Runner:
         """Cancel what runs or waits, stop the engine thread, write pending KV state."""
         self.scheduler.close()
         self._thread.join(timeout)
+        self._masks.close()
         if self.store is not None:
             self.store.close()
 
@@ -315,7 +334,11 @@ class Runner:
         scoring = any(s.request.payload.score_from is not None
                       and s.start + len(s.tokens) >= s.request.payload.score_from for s in plan.seqs)
         t0 = time.perf_counter()
-        logits = self.engine.step(entries, all_logits=scoring)  # (entries or tokens, vocab)
+        self._masks.start(grammar.due(plan))  # constrained sequences' masks, while the engine runs
+        try:
+            logits = self.engine.step(entries, all_logits=scoring)  # (entries or tokens, vocab)
+        finally:
+            self._masks.wait()
         seconds = time.perf_counter() - t0
         self.steps += 1
         stats = self.engine.last
@@ -361,8 +384,15 @@ class Runner:
         """The request's next token from its logits row (V,), or ``tok`` when the step already
         picked it (``_greedy_picks``); then end of turn, logprobs, text and stop strings."""
         g = req.payload
-        raw = logits
-        if tok is None:
+        raw, forced = logits, ()
+        if g.guided is not None:  # a constraint picks (coli.grammar): the batch's argmax ignored its mask
+            try:
+                tok, forced, raw = grammar.pick(g.guided, g.sampler, logits, g.generated, g.bias,
+                                                req.max_tokens - req.generated, self.model.eos_ids,
+                                                self.fold_forced, self.grammar_stats)
+            except grammar.DeadEnd as e:
+                return SeqOutput(error=str(e))
+        elif tok is None:
             if g.bias is not None:
                 logits = logits.copy()
                 logits[g.bias[0]] += g.bias[1]
@@ -374,17 +404,31 @@ class Runner:
             return SeqOutput(None, "stop")
         if tok in g.stop_ids and g.text_seen:
             return SeqOutput(None, "stop")
+        stopped = self._take(req, tok, raw)
+        taken = []  # forced tokens: taken like sampled ones, fed together in the next step
+        for t in forced:
+            if stopped:
+                break
+            stopped = self._take(req, t, None)
+            taken.append(t)
+        if g.guided is not None and grammar.finished(g.guided):
+            stopped = True  # the grammar allows only end of turn now: no step for it
+        return SeqOutput(tok, "stop" if stopped else None, forced=tuple(taken))
+
+    def _take(self, req: Request, tok: int, raw) -> bool:
+        """Append a picked token: logprobs (``raw``: its logits; None: forced, probability 1),
+        text, stop strings, parser. True when the request stops here."""
+        g = req.payload
         g.generated.append(tok)
         if g.logprobs is not None:
-            g.handle.put(_token_logprob(raw, tok, g.logprobs))
+            g.handle.put(_token_logprob(raw, tok, g.logprobs) if raw is not None
+                         else TokenLogprob(int(tok), 0.0, ((int(tok), 0.0),) if g.logprobs else ()))
         piece = g.detok.push(tok)
         if piece:  # the spec's first output is observed before stop filtering
             self.scheduler.note_first_output(req)
         text, stopped = g.stops.push(piece)
         self._emit(g, text)
-        if g.parser is not None and g.parser.done:
-            stopped = True
-        return SeqOutput(tok, "stop" if stopped else None)
+        return stopped or (g.parser is not None and g.parser.done)
 
     @staticmethod
     def _emit(g: _Generation, text: str) -> None:
@@ -417,6 +461,8 @@ class Runner:
                 reason = g.parser.finish_reason(reason)
             if g.score_from is not None:
                 put(PromptLogprobs(tuple(g.scores)))
+            if g.guided is not None:
+                self.grammar_stats.add(g.guided.guide)
             put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases))
             put(Usage(len(req.prompt), req.generated, req.cached_tokens, req.queue_wait))
             put(Finished(reason, g.stops.stopped))
@@ -429,7 +475,8 @@ def _greedy_picks(plan: StepPlan, logits: np.ndarray) -> list[int] | None:
     pass over the step's logits (entries, V) picks what each Sampler.sample would. None
     otherwise: each request samples its own row."""
     sampling = [s.request.payload for s in plan.seqs if s.sample]
-    if not sampling or not all(g.sampler.is_greedy and g.bias is None for g in sampling):
+    # (a constrained entry picks under its mask and ignores its argmax)
+    if not sampling or not all(g.guided is not None or (g.sampler.is_greedy and g.bias is None) for g in sampling):
         return None
     return logits.argmax(axis=1).tolist()  # (entries,): ties go to the lowest id, as greedy()
 
@@ -440,5 +487,5 @@ def _token_logprob(logits, tok: int, n: int) -> TokenLogprob:
     if n:
         best = np.argpartition(lp, len(lp) - n)[len(lp) - n:] if n < len(lp) else np.arange(len(lp))
         best = best[np.lexsort((best, -lp[best]))]  # most likely first, ties by id
-        top = tuple((int(t), float(lp[t])) for t in best)
+        top = tuple((int(t), float(lp[t])) for t in best if lp[t] > -np.inf)  # (a constraint's mask: -inf)
     return TokenLogprob(int(tok), float(lp[tok]), top)

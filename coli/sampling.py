@@ -61,15 +61,23 @@ class Sampler:
         self.is_greedy = (params.temperature < _GREEDY_BELOW and params.repetition_penalty == 1.0
                           and not params.presence_penalty and not params.frequency_penalty)
 
-    def sample(self, logits: np.ndarray, generated: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, generated: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
         """Returns the next token id.
 
         ``logits``: (vocab,) scores for the next position. ``generated``: the ids the penalties count
-        (the caller decides whether the prompt is included). Penalties apply first; then greedy if
-        temperature is 0 (below 1e-5), else temperature -> top_k -> top_p -> min_p and one draw from the Generator.
+        (the caller decides whether the prompt is included). ``allowed``: (vocab,) bool, a constraint's
+        mask (coli.grammar): the other tokens get -inf before anything else, so temperature, top_k,
+        top_p and min_p see the constrained distribution; a mask allowing one token returns it without
+        a draw (the seeded stream is the same whether forced tokens are folded or not). Penalties
+        apply first; then greedy if temperature is 0 (below 1e-5), else temperature -> top_k ->
+        top_p -> min_p and one draw from the Generator.
         """
         p = self.params
         x = np.asarray(logits, dtype=np.float32).reshape(-1)  # (V,) not modified in place
+        if allowed is not None:
+            x, only = apply_mask(x, allowed)
+            if only is not None:
+                return only
         if len(generated) and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
             x = x.copy()
             apply_penalties(x, generated, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
@@ -78,6 +86,18 @@ class Sampler:
         ids, weights = _filter(x / np.float32(p.temperature), p.top_k, p.top_p, p.min_p)  # (n,), (n,)
         j = _draw(weights, self.rng.random())
         return j if ids is None else int(ids[j])
+
+
+def apply_mask(x: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """``x`` (V,) with the tokens ``allowed`` (V,) bool does not allow at -inf (a new array), and
+    the only allowed id when there is exactly one. Raises ValueError when none is allowed."""
+    ok = np.asarray(allowed, dtype=bool)[: x.shape[0]]
+    ids = np.flatnonzero(ok) if ok.sum() <= 1 else None
+    if ids is not None:
+        if not ids.size:
+            raise ValueError("the constraint allows no token")
+        return x, int(ids[0])
+    return np.where(ok, x, np.float32(-np.inf)).astype(np.float32, copy=False), None
 
 
 def apply_penalties(

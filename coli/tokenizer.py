@@ -171,6 +171,11 @@ class Tokenizer:
         """Text of ``ids``; special tokens are dropped when ``skip_special_tokens``."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, special tokens registered here included
+        (coli.grammar builds llguidance's token trie from it)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string (added tokens included), or ``None``."""
         return self._backend.token_to_id(token)

@@ -6,7 +6,7 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli list"|"coli plan"|"coli ps"|"coli pull"|"coli rm"|"coli run"|"coli serve"|"coli show"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
@@ -21,6 +21,8 @@ _coli() {
         "coli bench --repeats") COMPREPLY=(); return ;;
         "coli bench --io") COMPREPLY=(); return ;;
         "coli bench --decode") COMPREPLY=(); return ;;
+        "coli bench --schema") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli bench --batch") COMPREPLY=(); return ;;
         "coli chat --model"|"coli chat -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli chat --max-tokens"|"coli chat -n") COMPREPLY=(); return ;;
         "coli chat --temperature") COMPREPLY=(); return ;;
@@ -37,6 +39,8 @@ _coli() {
         "coli chat --slots") COMPREPLY=(); return ;;
         "coli chat --url") COMPREPLY=(); return ;;
         "coli chat --api-key") COMPREPLY=(); return ;;
+        "coli chat --json-schema") COMPREPLY=(); return ;;
+        "coli chat --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli cluster status --url") COMPREPLY=(); return ;;
         "coli cluster status --address") COMPREPLY=(); return ;;
         "coli cluster status --cluster-name") COMPREPLY=(); return ;;
@@ -45,13 +49,6 @@ _coli() {
         "coli convert --head-quant") COMPREPLY=(); return ;;
         "coli kv inspect --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli kv inspect --model"|"coli kv inspect -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        "coli plan --model"|"coli plan -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        "coli plan --quant"|"coli plan -q") COMPREPLY=(); return ;;
-        "coli plan --ram-budget") COMPREPLY=(); return ;;
-        "coli plan --ctx") COMPREPLY=(); return ;;
-        "coli plan --kv-slots") COMPREPLY=(); return ;;
-        "coli pull --file"|"coli pull -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        "coli pull --quant"|"coli pull -q") COMPREPLY=(); return ;;
         "coli run --model"|"coli run -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --max-tokens"|"coli run -n") COMPREPLY=(); return ;;
         "coli run --temperature") COMPREPLY=(); return ;;
@@ -65,6 +62,8 @@ _coli() {
         "coli run --pin") COMPREPLY=(); return ;;
         "coli run --ctx") COMPREPLY=(); return ;;
         "coli run --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli run --json-schema") COMPREPLY=(); return ;;
+        "coli run --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --model"|"coli serve -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --host") COMPREPLY=(); return ;;
         "coli serve --port"|"coli serve -p") COMPREPLY=(); return ;;
@@ -112,22 +111,16 @@ _coli() {
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert kv list plan ps pull rm run serve show web"; files=0 ;;
-        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
-        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
+        "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
+        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --constrained --schema --batch"; files=0 ;;
+        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
-        "coli list") words="--json"; files=0 ;;
-        "coli plan") words="--model -m --quant -q --ram-budget --ctx --kv-slots --json"; files=0 ;;
-        "coli ps") words="--json"; files=0 ;;
-        "coli pull") words="--file -f --quant -q"; files=0 ;;
-        "coli rm") words="--yes -y"; files=0 ;;
-        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
+        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --json-schema --grammar"; files=0 ;;
         "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
-        "coli show") words="--json"; files=0 ;;
         "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then

@@ -85,21 +85,34 @@ def build_chat_model(root: Path, name: str = "qwen3-chat") -> Path:
 
 
 class ScriptedSampler(Sampler):
-    """Samples normally, unless the request's seed names a script: then it writes that."""
+    """Samples normally, unless the request's seed names a script: then it writes that.
+
+    The script is followed by text (what was generated so far, forced tokens included, is
+    a prefix of it), so a constraint that forces some of it (coli.grammar) stays in step.
+    Under a constraint's mask the scripted "model" is a model like any other: when the
+    mask refuses the script's next token it takes the allowed token that writes the most
+    of the script, and when none does, it samples."""
 
     tokenizer = None
     eos: int | None = None
 
     def __init__(self, params):
         super().__init__(params)
-        script = SCRIPTS.get(params.seed) if params.seed is not None else None
-        self.ids = None if script is None else self.tokenizer.encode(script, add_special_tokens=False) + [self.eos]
-        self.is_greedy = self.is_greedy and self.ids is None  # a script is not the argmax: the runner must call sample
+        self.script = SCRIPTS.get(params.seed) if params.seed is not None else None
+        # a script is not the argmax: the runner must call sample
+        self.is_greedy = self.is_greedy and self.script is None
 
-    def sample(self, logits, generated=()):
-        if self.ids is None:
-            return super().sample(logits, generated)
-        return self.ids[min(len(generated), len(self.ids) - 1)]
+    def sample(self, logits, generated=(), allowed=None):
+        if self.script is None:
+            return super().sample(logits, generated, allowed)
+        done = self.tokenizer.decode(list(generated), skip_special_tokens=False)
+        rest = self.script[len(done):] if self.script.startswith(done) else ""
+        tok = self.tokenizer.encode(rest, add_special_tokens=False)[0] if rest else self.eos
+        if allowed is None or allowed[tok]:
+            return tok
+        texts = {int(t): self.tokenizer.decode([int(t)], skip_special_tokens=False) for t in allowed.nonzero()[0]}
+        fits = [t for t, text in texts.items() if text and rest.startswith(text)]
+        return max(fits, key=lambda t: len(texts[t])) if fits else super().sample(logits, generated, allowed)
 
 
 class Running:

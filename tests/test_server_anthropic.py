@@ -95,10 +95,10 @@ def test_tool_use_round_trip(client, srv):
 
 
 def test_tool_choice_any_and_named(client):
-    SCRIPTS[8004] = '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    SCRIPTS[8004] = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     m = create(client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=100, extra_body={"seed": 8004})
     assert m.stop_reason == "tool_use" and m.content[-1].input == {"city": "Rome"}
-    SCRIPTS[8005] = '{"city": "Lima"}}\n</tool_call>'
+    SCRIPTS[8005] = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
     m = create(client, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=100,
                extra_body={"seed": 8005})
     assert m.content[-1].input == {"city": "Lima"}

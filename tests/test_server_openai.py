@@ -242,12 +242,12 @@ def test_one_call_when_parallel_calls_are_off(client):
 
 
 def test_tool_choice_modes(client, srv):
-    SCRIPTS[9003] = '{"city": "Oslo"}}\n</tool_call>'  # what follows the forced opening of a named call
+    SCRIPTS[9003] = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     r = chat(client, tools=TOOLS, seed=9003, max_tokens=100,
              tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls] == [
         ("get_weather", '{"city": "Oslo"}')]
-    SCRIPTS[9004] = '{"name": "get_time", "arguments": {}}\n</tool_call>'
+    SCRIPTS[9004] = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     r = chat(client, tools=TOOLS, seed=9004, max_tokens=100, tool_choice="required")
     assert r.choices[0].message.tool_calls[0].function.name == "get_time"
     SCRIPTS[9005] = CALLS
@@ -259,14 +259,17 @@ def test_tool_choice_modes(client, srv):
         chat(client, max_tokens=2, tool_choice="required")
 
 
-def test_malformed_tool_output_is_returned_as_text(client):
+def test_a_model_that_would_write_a_malformed_call_is_kept_to_the_grammar(client):
+    # the Hermes tool-call syntax has a grammar (coli.grammar): a call cannot be malformed, the
+    # scripted "model" is held to it (the parser's salvage of malformed calls is unit-tested for
+    # formats without a grammar in test_server_chat_format.py)
     bad = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'
     SCRIPTS[9006] = bad
-    r = chat(client, tools=TOOLS, seed=9006, max_tokens=200)
-    assert r.choices[0].message.content == bad and r.choices[0].message.tool_calls is None
-    assert r.choices[0].finish_reason == "malformed_tool_call"
-    content, _, calls, finish, _ = streamed(client, tools=TOOLS, seed=9006, max_tokens=200)
-    assert content[0] == bad and not calls and finish[0] == "malformed_tool_call"
+    r = chat(client, tools=TOOLS, seed=9006, max_tokens=60)
+    assert r.choices[0].finish_reason in ("tool_calls", "length")  # never malformed_tool_call
+    assert r.choices[0].message.content.startswith("Sure.")
+    for t in r.choices[0].message.tool_calls or []:
+        assert isinstance(json.loads(t.function.arguments)["city"], str)
 
 
 def test_thinking_goes_to_reasoning_content(client, srv):
@@ -358,18 +361,25 @@ def test_tokenize_and_detokenize(client, srv):
     assert d["prompt"] == "Hello there"
 
 
-def test_a_family_without_tool_calling_refuses_tools(srv, monkeypatch):
+def test_a_family_without_tool_calling_gets_the_generic_tool_format(srv, monkeypatch):
     from coli.chat_format import FORMATS
 
     monkeypatch.setattr(srv.server, "chat_format", FORMATS["chatml"])  # e.g. a ChatML template without tools
     client = srv.openai()
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(client, tools=TOOLS, max_tokens=2)
-    assert e.value.body["param"] == "tools" and e.value.code == "unsupported_feature"
+    bounded = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}}}]
+    r = chat(client, tools=bounded, max_tokens=60, tool_choice="required", temperature=1.0, seed=5,
+             parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+    assert json.loads(call.function.arguments)["color"] in ("red", "blue")
     # declared but switched off: not active, so accepted (and not rendered)
     assert chat(client, tools=TOOLS, tool_choice="none", max_tokens=2).choices[0].finish_reason in ("stop", "length")
-    import anthropic
+    m = srv.anthropic().messages.create(model="tiny", max_tokens=60, messages=USER, tool_choice={"type": "any"},
+                                        tools=[{"name": "f", "input_schema": {"type": "object", "properties": {
+                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                            "required": ["n"], "additionalProperties": False}}])
+    assert m.stop_reason == "tool_use" and m.content[-1].name == "f" and 0 <= m.content[-1].input["n"] <= 9
 
-    with pytest.raises(anthropic.BadRequestError):
-        srv.anthropic().messages.create(model="tiny", max_tokens=2, messages=USER, tools=[
-            {"name": "f", "input_schema": {"type": "object"}}])
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -35,6 +36,13 @@ def bench(
         "--decode", help="greedy: feed back the argmax. random: feed a seeded random continuation, so a "
                          "random-weight model's routing varies like real text's (use it for cache A/Bs).")] = "greedy",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    constrained: Annotated[bool, typer.Option(
+        "--constrained", help="Decode under a JSON schema (a realistic nested one, or --schema) vs unconstrained: "
+                              "tok/s, mask time per token, forced-token share, steps saved by folding; "
+                              "--gen-tokens caps each answer (400 when left at 64).")] = False,
+    schema: Annotated[Optional[Path], typer.Option("--schema", metavar="FILE",
+                                                   help="The JSON schema for --constrained.")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoded together (--constrained).")] = 1,
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
 
@@ -54,11 +62,17 @@ def bench(
         q = quant or "int4"
         with stderr.status(f"Preparing synthetic {synthetic} ({q}) in {S.cache_dir()}…", spinner="dots"):
             path = S.ensure(synthetic, q)
+        if constrained:  # a word-level tokenizer cannot write JSON (coli.grammar.bench)
+            from coli.grammar.bench import text_tokenizer_dir
+
+            path = text_tokenizer_dir(path)
         m = coli.load(path, threads=threads, io=io, prefetch=prefetch, **opts)
         label = f"synthetic:{synthetic}"
     else:
         m = coli.load(model, threads=threads, quant=quant, io=io, prefetch=prefetch, **opts)
         label = str(m.path)
+    if constrained:
+        return _constrained(m, label, schema, batch, gen_tokens, repeats, as_json)
     try:
         res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,
                     decode=decode)
@@ -90,3 +104,36 @@ def bench(
     t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",
               f"decode at {res.median('decode_tok_s') / res.roofline_tok_s:.0%} of it")
     stderr.print(t)
+
+
+def _constrained(m, label, schema_file, batch, gen_tokens, repeats, as_json) -> None:
+    from coli.grammar.bench import run
+
+    schema = None
+    if schema_file is not None:
+        try:
+            schema = json.loads(schema_file.read_text())
+        except (OSError, ValueError) as e:
+            raise fail(f"--schema: {schema_file}: {e}") from None
+    try:
+        res = run(m, schema=schema, batch=batch, gen_tokens=gen_tokens if gen_tokens != 64 else 400, repeats=repeats)
+        res["threads"] = m.engine.threads
+    finally:
+        m.close()
+    if as_json:
+        typer.echo(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"coli bench --constrained · {label} · batch {batch} · {res['threads']} threads")
+    t.add_column("run")
+    t.add_column("decode tok/s", justify="right")
+    t.add_column("engine steps", justify="right")
+    t.add_column("tokens", justify="right")
+    for name in ("unconstrained", "constrained", "constrained_folded"):
+        r = res[name]
+        t.add_row(name.replace("_", ", "), f"{r['decode_tok_s']:.1f}", f"{r['steps']:.0f}", f"{r['tokens']:.0f}")
+    stderr.print(t)
+    stderr.print(f"mask time {res['mask_us_per_token']:.0f} µs per constrained token (on a worker thread, "
+                 f"overlapping the engine) · forced tokens {res['forced_share']:.0%} · "
+                 f"{res['steps_saved']:.0f} steps saved by folding · constraint cost "
+                 f"{res['cost_vs_unconstrained']:+.1%} unfolded, folded at {res['folded_vs_unconstrained']:.2f}x "
+                 f"unconstrained · {res['finished']}")

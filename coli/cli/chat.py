@@ -19,6 +19,7 @@ from rich.markup import escape
 from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
+from coli.cli.constrain import GrammarOpt, JsonSchemaOpt, local_constraint, read_options, request_fields
 from coli.errors import ColiError
 from coli.scheduler.events import Error, ReasoningDelta, TextDelta
 from coli.tui.conversation import HISTORY_FILE
@@ -56,12 +57,18 @@ def chat(
     slots: SlotsOpt = 4,
     url: UrlOpt = None,
     api_key: ApiKeyOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
 ) -> None:
     """Chat with a model (the built-in one by default).
 
     In a terminal: a full-screen chat with live expert routing and profiling panes (`--plain`:
-    a line REPL). Piped: `echo "What does 'ocean' mean?" | coli chat` prints only the answer."""
+    a line REPL). Piped: `echo "What does 'ocean' mean?" | coli chat` prints only the answer.
+    `--json-schema` / `--grammar` constrain every answer (piped and `--plain`)."""
+    spec = read_options(json_schema, grammar)
     piped = not (sys.stdin.isatty() and sys.stdout.isatty())
+    if spec is not None and not (plain or piped):
+        raise fail("--json-schema and --grammar work piped or with --plain, not in the full-screen app")
     prompt = None
     if piped:
         if sys.stdin.isatty():
@@ -71,22 +78,24 @@ def chat(
             raise fail("the prompt on stdin is empty")
     if url is not None:
         _remote(url, api_key, piped, prompt, plain, system, max_tokens,
-                {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).items()
-                 if v is not None})
+                {**{k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).items()
+                    if v is not None}, **request_fields(spec)})
         return
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots) as runner:
         if piped:
-            ids = m.prompt_ids(messages_for(prompt.strip(), system))
-            for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):
+            ids = m.prompt_ids(messages_for(prompt.strip(), system), **({"enable_thinking": False} if spec else {}))
+            for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0,
+                                         constraint=local_constraint(spec)):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
         else:
             from coli.tui.backend import LocalBackend
 
-            backend = LocalBackend(m, runner, max_tokens=max_tokens, sampling=sampling)
+            backend = LocalBackend(m, runner, max_tokens=max_tokens, sampling=sampling,
+                                   constraint=local_constraint(spec))
             if plain:
                 _repl(backend, system)
             else:

@@ -9,6 +9,7 @@ import typer
 from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
+from coli.cli.constrain import GrammarOpt, JsonSchemaOpt, local_constraint, read_options
 from coli.scheduler import Error, Finished, TextDelta, Usage
 
 
@@ -30,11 +31,15 @@ def run(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
 ) -> None:
     """Answer one prompt and stream the answer to stdout.
 
-    Examples: coli run "What does 'harbor' mean?"  ·  echo "hi" | coli run --model ./Qwen3-0.6B
+    Examples: coli run "What does 'harbor' mean?"  ·  echo "hi" | coli run --model ./Qwen3-0.6B  ·
+    coli run --json-schema person.json "Invent a person" | jq .
     """
+    spec = read_options(json_schema, grammar)
     if prompt is None:
         if sys.stdin.isatty():
             raise fail("no prompt: pass one as an argument or pipe it on stdin (echo \"hi\" | coli run)")
@@ -44,13 +49,16 @@ def run(
     if raw and system:
         raise fail("--system needs the chat template; drop --raw")
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
-    ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw)
+    # a constrained answer starts without reasoning (templates that know enable_thinking)
+    kwargs = {"enable_thinking": False} if spec is not None and not raw else {}
+    ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw, **kwargs)
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     last, finish, generated = "", None, 0
     with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
         if ctx is not None and runner.ctx < ctx:
             stderr.print(f"note: --ctx {ctx} is more than this model holds: using {runner.ctx}", soft_wrap=True)
-        handle = runner.submit(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0)
+        handle = runner.submit(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0,
+                               constraint=local_constraint(spec))
         try:
             for ev in handle:
                 if isinstance(ev, TextDelta):

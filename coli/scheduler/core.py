@@ -117,6 +117,7 @@ class Request:
     fed: int = 0  # prompt tokens whose KV is in the slot
     generated: int = 0  # tokens sampled, not counting an end-of-turn token
     next_token: int | None = None  # sampled, to be fed next step
+    forced: list[int] = field(default_factory=list)  # tokens a constraint forced after it, fed in the same step
     finish_reason: str | None = None
     error: SchedulerError | None = None
     cancel_requested: bool = False
@@ -157,11 +158,14 @@ class StepPlan:
 @dataclass(frozen=True)
 class SeqOutput:
     """What the runner made of a sampling entry: the token (None for end of turn), or
-    that the request stops here ("stop": a stop string), or an error message."""
+    that the request stops here ("stop": a stop string), or an error message. ``forced``:
+    tokens that follow ``token`` without sampling (a grammar allows nothing else); they
+    count as generated and are fed with it in one step."""
 
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    forced: tuple[int, ...] = ()
 
 
 Listener = Callable[[Request], None]
@@ -304,7 +308,7 @@ class Scheduler:
             self.step_no += 1
             now = self.clock()
             self._admit_waiters(now)
-            seqs = [self._seq(r, [r.next_token], sample=True) for r in self.running if not r.prefilling]
+            seqs = [self._seq(r, [r.next_token, *r.forced], sample=True) for r in self.running if not r.prefilling]
             budget = self.config.prefill_chunk
             for r in self.running:
                 if budget == 0:
@@ -456,8 +460,8 @@ class Scheduler:
             self._release(req, Status.FAILED, EngineError(out.error if out else "no output for a sampling entry"))
             return
         if out.token is not None:
-            req.generated += 1
-            req.next_token = int(out.token)
+            req.generated += 1 + len(out.forced)
+            req.next_token, req.forced = int(out.token), [int(t) for t in out.forced]
         if out.token is None or out.finish_reason is not None:
             self._release(req, Status.COMPLETED, reason=out.finish_reason or "stop")
         elif req.generated >= req.max_tokens:

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from coli.server import params as P
+from coli.server import structured
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
 from coli.server.limits import off_loop
@@ -229,12 +230,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if sampling.top_p == 0:
         raise invalid("top_p must be more than 0", "top_p")
     stops = P.stop_list(body, "stop_sequences", MAX_STOP_SEQUENCES)
+    answer = structured.anthropic_answer(body)
     prompt = await off_loop(_prompt, server, body)
     run_stops, stop_ids, leading = stops, frozenset(), False
     if not stops:
         (run_stops, stop_ids), leading = implicit_stops(server), True
     spec = GenSpec([prompt.ids], max_tokens, sampling, 1, run_stops, leading, stop_ids,
-                   cache_slot=P.integer(body, "cache_slot", 0), parser=lambda: prompt.parser(server))
+                   cache_slot=P.integer(body, "cache_slot", 0), parser=lambda: prompt.parser(server),
+                   constraint=structured.constraint(server, answer, prompt))
     gen = Generation(server, spec)
     try:
         await gen.start()

@@ -10,6 +10,7 @@ from aiohttp import web
 from coli.errors import InvalidRequestError
 from coli.scheduler import Finished, TextDelta, TokenLogprob, Usage
 from coli.server import params as P
+from coli.server import structured
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
 from coli.server.limits import BIG_INPUT, check_length, off_loop, release_memory
@@ -68,7 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await off_loop(_prompts, server, body)
     spec = GenSpec(prompts, max_tokens_field(server, body) if body.get("max_tokens") is not None else 16, sampling, n,
                    P.stop_list(body, "stop", 4), P.get(body, "x_colibri_ignore_leading_stop", bool, False),
-                   logprobs=top, logit_bias=bias, cache_slot=P.integer(body, "cache_slot", 0))
+                   logprobs=top, logit_bias=bias, cache_slot=P.integer(body, "cache_slot", 0),
+                   constraint=structured.constraint(server, structured.openai_answer(body)))
     gen = Generation(server, spec)
     tok = server.model.tokenizer
     echoes = [tok.decode(p) for p in prompts for _ in range(n)] if echo else [""] * (len(prompts) * n)

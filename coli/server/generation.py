@@ -38,6 +38,7 @@ class GenSpec:
     logit_bias: dict[int, float] | None = None
     cache_slot: int | None = None
     parser: Callable[[], object] | None = None  # a fresh OutputParser per choice
+    constraint: object | None = None  # a coli.grammar.Constraint every choice's answer matches
 
 
 class Generation:
@@ -72,7 +73,7 @@ class Generation:
                         prompt, max_tokens=spec.max_tokens, sampling=sampling, stop=spec.stop or None,
                         cache_slot=spec.cache_slot, ignore_leading_stop=spec.ignore_leading_stop,
                         stop_token_ids=spec.stop_token_ids, logprobs=spec.logprobs, logit_bias=spec.logit_bias,
-                        parser=spec.parser() if spec.parser else None))
+                        parser=spec.parser() if spec.parser else None, constraint=spec.constraint))
         except ColiError as e:
             self.cancel()
             raise from_coli(e) from None

@@ -19,6 +19,7 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, TokenLogprob, To
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
+from coli.server import structured
 from coli.server.limits import off_loop
 from coli.server.prompts import implicit_stops, normalize_openai, openai_tools, render
 from coli.server.state import server_of
@@ -86,10 +87,6 @@ def max_tokens_field(server, body: dict) -> int:
 
 
 def refuse_unsupported(body: dict) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format: only {'type': 'text'} is supported (no structured outputs yet)",
-                          "response_format")
     if body.get("audio") is not None or (isinstance(body.get("modalities"), list) and "audio" in body["modalities"]):
         raise unsupported("audio output is not supported: this server is text-only", "modalities")
     if body.get("functions") is not None or body.get("function_call") is not None:
@@ -163,15 +160,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     cache_slot = P.integer(body, "cache_slot", 0)
     messages = normalize_openai(body.get("messages"))
     tools = openai_tools(body["tools"]) if body.get("tools") is not None else None
-    prompt = await off_loop(render, server, messages, tools=tools, tool_choice=_tool_choice(body),
+    answer, tool_choice = structured.openai_answer(body), _tool_choice(body)
+    prompt = await off_loop(render, server, messages, tools=tools, tool_choice=tool_choice,
                             parallel=P.get(body, "parallel_tool_calls", bool, True),
-                            template_kwargs=template_kwargs(body))
+                            template_kwargs=structured.default_thinking(answer, tool_choice, template_kwargs(body)))
+    constraint = await off_loop(structured.constraint, server, answer, prompt)
     stop_ids = frozenset()
     if not stop:  # the template's role markers, skipped where they lead the answer
         stop, stop_ids = implicit_stops(server)
         ignore_leading = True
     spec = GenSpec([prompt.ids], max_tokens, sampling, n, stop, ignore_leading, stop_ids,
-                   (top or 0) if want_logprobs else None, bias, cache_slot, lambda: prompt.parser(server))
+                   (top or 0) if want_logprobs else None, bias, cache_slot, lambda: prompt.parser(server), constraint)
     gen = Generation(server, spec)
     try:
         await gen.start()

@@ -74,6 +74,12 @@ def _sampling(model_id: str) -> dict:
         "stream_options": _nullable(_obj({"include_usage": BOOL, "x_colibri_stats": BOOL})),
         "cache_slot": {"type": "integer", "minimum": 0, "description": "the KV slot to use (0..--kv-slots - 1)"},
         "x_colibri_ignore_leading_stop": BOOL,
+        "response_format": _obj({"type": {"enum": ["text", "json_object", "json_schema"]},
+                                 "json_schema": _obj({"name": STR, "schema": {"type": "object"}, "strict": BOOL})},
+                                ("type",)),
+        "x_colibri_grammar": {"anyOf": [STR, _obj({"type": {"enum": ["lark", "regex", "gbnf"]}, "grammar": STR},
+                                                  ("type", "grammar"))],
+                              "description": "constrain the answer to a Lark grammar (a string), a regex or GBNF"},
     }
 
 
@@ -114,6 +120,9 @@ def schemas(model_id: str) -> dict:
         "thinking": _obj({"type": {"enum": ["enabled", "disabled", "adaptive"]},
                           "budget_tokens": {"type": "integer", "minimum": 1}}, ("type",)),
         "metadata": {"type": "object"}, "cache_slot": {"type": "integer", "minimum": 0},
+        "output_config": _obj({"format": _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+                                              ("type", "schema"))}),
+        "output_format": _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}}, ("type", "schema")),
     }, ("model", "max_tokens", "messages"))
     return {
         "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": NULL_STR, "code": NULL_STR},
@@ -131,7 +140,6 @@ def schemas(model_id: str) -> dict:
             "tools": {"type": "array", "items": TOOL}, "tool_choice": TOOL_CHOICE, "parallel_tool_calls": BOOL,
             "enable_thinking": BOOL, "reasoning_effort": {"enum": list(EFFORTS)},
             "chat_template_kwargs": {"type": "object"},
-            "response_format": _obj({"type": {"enum": ["text"]}}, ("type",)),
         }, ("messages",)),
         "ChatCompletion": _obj({
             "id": STR, "object": {"const": "chat.completion"}, "created": INT, "model": STR,

@@ -12,8 +12,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from coli.chat_format import OutputParser, forced_prefix, opens_reasoning
+from coli.chat_format import HERMES, ChatFormat, OutputParser, forced_prefix, opens_reasoning
 from coli.errors import InvalidRequestError
+from coli.grammar.tools import generic_messages
 from coli.server.errors import invalid, unsupported
 from coli.server.limits import BIG_INPUT, check_length, release_memory
 
@@ -34,9 +35,14 @@ class Prompt:
     primed: str = ""  # a forced tool-call opening at the end of the prompt
     parallel: bool = True
     continued: bool = False  # a trailing assistant turn is being continued
+    chat_format: ChatFormat | None = None  # how the output is parsed (the generic tool format: Hermes calls)
+    tool_list: list[dict] | None = None  # the active tools
+    tool_choice: str | None = None
+    tool_grammar: bool = False  # the calls' syntax has a grammar (coli.server.structured constrains them)
+    thinking: bool = True  # the template was not told enable_thinking=False: the answer may open reasoning
 
     def parser(self, server) -> OutputParser:
-        return OutputParser(server.chat_format, tools=self.tools, in_reasoning=self.in_reasoning,
+        return OutputParser(self.chat_format or server.chat_format, tools=self.tools, in_reasoning=self.in_reasoning,
                             parallel=self.parallel, primed=self.primed)
 
 
@@ -164,9 +170,13 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
     active = bool(tools) and tool_choice != "none"
     if tool_choice not in (None, "auto", "none") and not tools:
         raise invalid(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
-    if active and fmt.tools is None:
-        raise unsupported(f"this model's chat template ({fmt.name}) has no tool calling; send the request "
-                          "without tools", api_param)
+    # a template without tool calling gets the generic tool format (coli.grammar.tools): tools in the
+    # system prompt, calls and results as text, calls parsed (and constrained) in the Hermes syntax
+    generic = fmt.tools is None and (active or any(m.get("tool_calls") or m["role"] == "tool" for m in messages))
+    if generic:
+        messages = generic_messages(messages, tools if active else None)
+        fmt = ChatFormat(fmt.name, fmt.reasoning, HERMES if active else None, fmt.role_markers, fmt.turn_end)
+    tool_grammar = active and fmt.tools is HERMES
     names = {t["function"]["name"] for t in tools or []}
     if tool_choice not in (None, "auto", "none", "required") and tool_choice not in names:
         raise invalid(f"tool_choice names the function {tool_choice!r}, which is not among the tools", "tool_choice")
@@ -180,7 +190,7 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
         if last["content"] != last["content"].rstrip():
             raise invalid("a trailing assistant message to continue must not end in whitespace (the template "
                           "strips it, so the model would resume from other text)", "messages")
-    tools_arg = tools if active else None
+    tools_arg = tools if active and not generic else None
     check_length(server, sum(len(v) for m in messages for v in m.values() if isinstance(v, str)))
     text = None
     if continuing:
@@ -197,7 +207,7 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
             raise invalid(str(e), "messages") from None
     in_reasoning = opens_reasoning(fmt, text)
     primed = ""
-    if active and tool_choice not in (None, "auto"):
+    if active and tool_choice not in (None, "auto") and not tool_grammar:  # (a grammar forces the opening)
         primed = forced_prefix(fmt, None if tool_choice == "required" else tool_choice)
         text += primed
         in_reasoning = False
@@ -207,7 +217,8 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
         release_memory()
     if not ids:
         raise invalid("the rendered prompt is empty", "messages")
-    return Prompt(ids, text, active, in_reasoning, primed, parallel, continuing)
+    return Prompt(ids, text, active, in_reasoning, primed, parallel, continuing, fmt, tools if active else None,
+                  tool_choice, tool_grammar, kwargs.get("enable_thinking", True) is not False)
 
 
 def implicit_stops(server, prompt_ids_only: bool = False) -> tuple[list[str], frozenset[int]]:

@@ -26,8 +26,9 @@ class LocalBackend:
 
     remote = False
 
-    def __init__(self, model, runner, *, max_tokens: int = 512, sampling=None):
+    def __init__(self, model, runner, *, max_tokens: int = 512, sampling=None, constraint=None):
         self.model, self.runner, self.max_tokens, self.sampling = model, runner, max_tokens, sampling
+        self.constraint = constraint  # coli.grammar.Constraint for every answer (coli chat --plain --json-schema)
         self.slots = runner.config.kv_slots
         self.name = f"{model.config.model_type} ({model.path.name})"
         self._handle = None
@@ -41,8 +42,10 @@ class LocalBackend:
                 "resident": human_bytes(b["pinned"] + b["cached"] + b["dense"])}
 
     def stream(self, messages: list[dict], slot: int) -> Iterator:
-        ids = self.model.prompt_ids(messages)
         extra = {}
+        if self.constraint is not None:  # (a constrained answer starts without reasoning)
+            extra["constraint"] = self.constraint
+        ids = self.model.prompt_ids(messages, **({"enable_thinking": False} if self.constraint is not None else {}))
         parser = self._parser(messages)
         if parser is not None:
             extra["parser"] = parser
