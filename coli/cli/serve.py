@@ -43,6 +43,9 @@ def serve(
     = None,
     max_body: Annotated[Optional[str], typer.Option(
         "--max-body", envvar="COLI_MAX_BODY", help="Largest request body, e.g. 16M (larger ones get 413).")] = None,
+    log_format: Annotated[Optional[str], typer.Option(
+        "--log-format", envvar="COLI_LOG_FORMAT", show_envvar=True,
+        help="The access log on stderr, one line per request: text, json or off. Default: text.")] = None,
     threads: ThreadsOpt = None,
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
@@ -81,7 +84,7 @@ def serve(
 
         raise fail(f"--max-body: {e}") from None
     config = ServerConfig.from_env(host=host, port=port, model_id=model_id, api_key=api_key, allowed_hosts=hosts,
-                                   cors_origins=origins, max_body=body_limit)
+                                   cors_origins=origins, max_body=body_limit, log_format=log_format)
     if cluster:  # cluster mode (coli.cluster): the same front end over Ray workers
         from coli.cli.cluster import open_cluster_runner, require_cluster
 

@@ -13,7 +13,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import anthropic, brio, completions, dashboard, openai
+from coli.server import access_log, anthropic, brio, completions, dashboard, openai, responses
 from coli.server.openapi import document
 from coli.server.security import Guard
 from coli.server.state import SERVER, Server
@@ -24,7 +24,8 @@ log = logging.getLogger("coli.server")
 
 def build_app(server: Server) -> web.Application:
     guard = Guard(server.config)
-    app = web.Application(middlewares=[_counted, guard.middleware], client_max_size=server.config.max_body)
+    logged = [access_log.middleware(server.config.log_format)] if server.config.log_format != "off" else []
+    app = web.Application(middlewares=[*logged, _counted, guard.middleware], client_max_size=server.config.max_body)
     app[SERVER] = server
     app.on_response_prepare.append(guard.on_prepare)
     t = server.telemetry
@@ -38,6 +39,7 @@ def build_app(server: Server) -> web.Application:
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
     ])
+    responses.add_routes(app)  # POST /v1/responses and the stored responses (server/responses.py)
     dashboard.mount(app)  # the web dashboard's files (coli web), public like /health
     return app
 

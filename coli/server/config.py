@@ -28,6 +28,7 @@ class ServerConfig:
     stream_ceiling: int = 4 << 20  # bytes queued for one stream past which it is dropped and its request cancelled
     send_buffer: int | None = None  # SO_SNDBUF of streaming sockets (None: the kernel's, which autotunes)
     profile_window: int = 64  # turns kept for GET /profile
+    log_format: str = "text"  # --log-format, COLI_LOG_FORMAT: the access log on stderr (text, json or off)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -38,6 +39,8 @@ class ServerConfig:
             raise InvalidRequestError("stream buffers must satisfy 0 < low <= high < ceiling")
         if self.max_body < 1024:
             raise InvalidRequestError(f"--max-body must be at least 1024 bytes, got {self.max_body}")
+        if self.log_format not in ("text", "json", "off"):
+            raise InvalidRequestError(f"--log-format must be text, json or off, got {self.log_format!r}")
         if any(h == "*" or "*" in h for h in self.allowed_hosts):
             raise InvalidRequestError("--allowed-host takes exact host names or addresses; there is no wildcard")
 
@@ -48,7 +51,8 @@ class ServerConfig:
         kinds = {f.name: f.type for f in fields(cls)}
         names = {"host": "COLI_HOST", "port": "COLI_PORT", "model_id": "COLI_MODEL_ID", "api_key": "COLI_API_KEY",
                  "allowed_hosts": "COLI_ALLOWED_HOSTS", "cors_origins": "COLI_CORS_ORIGINS",
-                 "max_body": "COLI_MAX_BODY", "continue_assistant": "COLI_CONTINUE_ASSISTANT"}
+                 "max_body": "COLI_MAX_BODY", "continue_assistant": "COLI_CONTINUE_ASSISTANT",
+                 "log_format": "COLI_LOG_FORMAT"}
         for key, var in names.items():
             if given.get(key) is None and env.get(var):
                 given[key] = _parse(var, env[var], kinds[key])
