@@ -83,9 +83,12 @@ class CaptureProxy:
             out = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items() if k.lower() in ("content-type", "retry-after", "x-request-id")})
             await out.prepare(request)
-            async for chunk in up.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionError:  # the client left once it had what it wanted (Codex does)
+                pass
             return out
 
 

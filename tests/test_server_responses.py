@@ -97,6 +97,19 @@ def test_tool_round_trip_by_items_and_by_previous_response(client, srv):
     assert by_id.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens
 
 
+def test_codex_tools_namespace_and_web_search(client):
+    """Codex groups tools in a namespace and always sends web_search: the namespace's
+    functions are offered (a call names its namespace), web search is not offered."""
+    SCRIPTS[9007] = CALL
+    tools = [{"type": "namespace", "name": "weather", "description": "Weather tools", "tools": TOOLS},
+             {"type": "web_search", "external_web_access": False}]
+    r = client.responses.create(model="tiny", input="Weather in Paris?", tools=tools, extra_body={"seed": 9007})
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and call.to_dict()["namespace"] == "weather"
+    assert r.usage.input_tokens > client.responses.create(model="tiny", input="Weather in Paris?", tools=[
+        {"type": "web_search"}], extra_body={"seed": 9007}).usage.input_tokens
+
+
 def test_parse_with_a_pydantic_function_tool(client):
     class GetWeather(BaseModel):
         city: str
@@ -146,7 +159,7 @@ def test_max_output_tokens_is_incomplete(client):
 
 def test_refusals_are_clear_400s(client):
     cases = [
-        ({"tools": [{"type": "web_search"}]}, "hosted tools"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "hosted tools"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
         ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},

@@ -341,7 +341,10 @@ def responses_schemas(model_id: str) -> dict:
             "max_output_tokens": {"type": "integer", "minimum": 1},
             "temperature": {"type": "number", "minimum": 0, "maximum": 2},
             "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "seed": INT,
-            "tools": {"type": "array", "items": tool},
+            "tools": {"type": "array", "items": {"anyOf": [
+                tool, _obj({"type": {"enum": ["web_search", "web_search_preview"]}}, ("type",)),
+                _obj({"type": {"const": "namespace"}, "name": STR, "description": STR,
+                      "tools": {"type": "array", "items": tool}}, ("type", "name", "tools"))]}},
             "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
                                       _obj({"type": {"const": "function"}, "name": STR}, ("type", "name"))]},
             "parallel_tool_calls": BOOL,

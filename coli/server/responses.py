@@ -42,6 +42,7 @@ from coli.server.streaming import run_stream, sse
 MAX_STORED = 256  # responses kept per server (least recently used dropped first)
 TOOL_CHOICES = ("none", "auto", "required")
 SUMMARIES = ("auto", "concise", "detailed")
+IGNORED_TOOLS = ("web_search", "web_search_preview")  # not offered to the model (see _tools)
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
               "reasoning_text": "text", "summary_text": "text"}
@@ -212,14 +213,24 @@ def _input(body: dict) -> list[dict]:
 # -- tools and other fields -------------------------------------------------------------------
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tools(body: dict) -> tuple[list[dict] | None, dict[str, str]]:
+    """(chat tools, {function name: its namespace}). Function tools, also inside a
+    ``namespace`` tool (Codex groups some so); web search is not offered to the model (as
+    if it never chose to search: clients such as Codex always send it); every other hosted
+    tool is refused."""
     tools = P.get(body, "tools", list)
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        at = f"tools[{i}]"
+    out: list[dict] = []
+    spaces: dict[str, str] = {}
+
+    def add(t, at: str, space: str | None = None) -> None:
         kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace" and space is None and isinstance(t.get("name"), str) \
+                and isinstance(t.get("tools"), list):
+            for j, inner in enumerate(t["tools"]):
+                add(inner, f"{at}.tools[{j}]", t["name"])
+            return
+        if kind in IGNORED_TOOLS and space is None:
+            return
         if kind != "function":
             if isinstance(kind, str):
                 raise unsupported(f"{at}: hosted tools ({kind!r}) are not supported: this server runs no tools "
@@ -234,7 +245,12 @@ def _tools(body: dict) -> list[dict] | None:
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
-    return out
+        if space is not None:
+            spaces[t["name"]] = space
+
+    for i, t in enumerate(tools or []):
+        add(t, f"tools[{i}]")
+    return out or None, spaces
 
 
 def _tool_choice(body: dict):
@@ -327,7 +343,14 @@ class Request:
     spec: GenSpec
     effort: str | None
     store: bool
+    spaces: dict[str, str] = field(default_factory=dict)  # function name -> its namespace tool
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def call(self, call_id: str | None, name: str, arguments: str, status: str = "completed") -> dict:
+        item = call_item(call_id, name, arguments, status)
+        if name in self.spaces:
+            item["namespace"] = self.spaces[name]
+        return item
 
     def response(self, status: str, output: list[dict], usage: dict | None, error: dict | None = None,
                  incomplete: str | None = None) -> dict:
@@ -365,8 +388,9 @@ def parse(server, body: dict, store: Store) -> Request:
     instructions = P.get(body, "instructions", str)
     effort = _effort(body)
     kwargs = {"enable_thinking": effort != "none"} if effort is not None else {}
+    tools, spaces = _tools(body)
     prompt = render(server, ([{"role": "system", "content": instructions}] if instructions else []) + messages,
-                    tools=_tools(body), tool_choice=_tool_choice(body),
+                    tools=tools, tool_choice=_tool_choice(body),
                     parallel=P.get(body, "parallel_tool_calls", bool, True), template_kwargs=kwargs, api_param="tools")
     sampling, bias = sampling_fields(server, body)
     max_tokens = P.integer(body, "max_output_tokens", 1) or server.runner.ctx
@@ -378,7 +402,7 @@ def parse(server, body: dict, store: Store) -> Request:
     P.get(body, "metadata", dict)
     P.get(body, "user", str)
     return Request(_id("resp"), body, model_id, items, messages, prompt, spec, effort,
-                   P.get(body, "store", bool, True))
+                   P.get(body, "store", bool, True), spaces)
 
 
 # -- the endpoints ----------------------------------------------------------------------------
@@ -410,7 +434,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         text = "".join(c.text)
         if text or not c.calls:
             output.append(message_item(text))
-        output += [call_item(v["id"], v["name"], v["arguments"]) for _, v in sorted(c.calls.items())]
+        output += [req.call(v["id"], v["name"], v["arguments"]) for _, v in sorted(c.calls.items())]
         status, why = req.status(c.finish_reason)
         _finish(entry, req.response(status, output, usage_body(server, c.usage, reasoning), incomplete=why))
         return web.json_response(entry.response, headers=gen.headers)
@@ -512,7 +536,7 @@ class _Events:
     def call(self, ev: ToolCallDelta) -> bytes:
         out = b""
         if ev.name is not None:
-            out = self._add(call_item(ev.id, ev.name, "", "in_progress"))
+            out = self._add(self.req.call(ev.id, ev.name, "", "in_progress"))
         if ev.arguments:
             self.output[-1]["arguments"] += ev.arguments
             out += self.event("response.function_call_arguments.delta", **self._where(), delta=ev.arguments)
