@@ -42,22 +42,52 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-def write_bpe_tokenizer(out: Path) -> int:
-    """A byte-level BPE tokenizer (Qwen's kind) with ChatML specials; returns its size."""
+def write_bpe_tokenizer(out: Path, extra: list[str] = (), vocab_size: int = 420) -> int:
+    """A byte-level BPE tokenizer (Qwen's kind) with ChatML specials; returns its size.
+    ``extra`` texts join the training corpus (the agent model learns the clients' prompts)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # with extra texts, merges may cross word boundaries: recorded prompts become few tokens
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not extra)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS + list(extra), trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     tok.save(str(out / "tokenizer.json"))
     return tok.get_vocab_size()
 
 
-def build_chat_model(root: Path, name: str = "qwen3-chat") -> Path:
+def fixture_texts() -> list[str]:
+    """Every string in the recorded client requests (tests/fixtures/clients/)."""
+    out: list[str] = []
+
+    def walk(v):
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            out.append(json.dumps(v, ensure_ascii=False))  # as templates render tools (tojson)
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    for f in sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json")):
+        walk(json.loads(f.read_text())["requests"])
+    return out
+
+
+def build_agent_model(root: Path) -> Path:
+    """The tiny chat model for the coding agents: a 64k context and a tokenizer trained on
+    the clients' recorded prompts too, so Claude Code's ~80k characters of system prompt
+    and tools are a few thousand tokens (any text still encodes, byte-level)."""
+    return build_chat_model(root, "qwen3-agents", max_positions=65536, extra=fixture_texts(), vocab_size=16384)
+
+
+def build_chat_model(root: Path, name: str = "qwen3-chat", max_positions: int = 1024, extra: list[str] = (),
+                     vocab_size: int = 420) -> Path:
     """The tiny chat model (built once per test process)."""
     from conftest import make_hf_model
     from test_tokenizer import QWEN3
@@ -67,9 +97,10 @@ def build_chat_model(root: Path, name: str = "qwen3-chat") -> Path:
             return _built[name]
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
-        vocab = write_bpe_tokenizer(out)
+        vocab = write_bpe_tokenizer(out, extra, vocab_size)
         make_hf_model("qwen3_moe", out / "hf", vocab_size=vocab, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=48, head_dim=16, max_position_embeddings=1024, norm_topk_prob=True)
+                      moe_intermediate_size=48, head_dim=16, max_position_embeddings=max_positions,
+                      norm_topk_prob=True)
         for f in (out / "hf").iterdir():
             if f.name not in ("tokenizer.json", "tokenizer_config.json"):
                 f.rename(out / f.name)
@@ -95,10 +126,12 @@ class ScriptedSampler(Sampler):
 
     tokenizer = None
     eos: int | None = None
+    default: str | None = None  # the script of requests without a scripted seed (None: sample)
 
     def __init__(self, params):
         super().__init__(params)
-        self.script = SCRIPTS.get(params.seed) if params.seed is not None else None
+        script = SCRIPTS.get(params.seed) if params.seed is not None else None
+        self.script = self.default if script is None else script
         # a script is not the argmax: the runner must call sample
         self.is_greedy = self.is_greedy and self.script is None
 
@@ -147,8 +180,8 @@ class Running:
         return self.runner.metrics.value(name, labels)
 
 
-def scripted_sampler(tokenizer, eos: int):
-    ScriptedSampler.tokenizer, ScriptedSampler.eos = tokenizer, eos
+def scripted_sampler(tokenizer, eos: int, default: str | None = None):
+    ScriptedSampler.tokenizer, ScriptedSampler.eos, ScriptedSampler.default = tokenizer, eos, default
     return ScriptedSampler
 
 
@@ -157,12 +190,13 @@ def chat_model_dir(tmp_path_factory) -> Path:
     return build_chat_model(tmp_path_factory.getbasetemp())
 
 
-def running(chat_model_dir: Path, **kw):
-    """A module-scoped server with the scripted sampler installed (use in a fixture)."""
+def running(chat_model_dir: Path, default_script: str | None = None, **kw):
+    """A module-scoped server with the scripted sampler installed (use in a fixture);
+    ``default_script``: what every request without a scripted seed gets."""
     with pytest.MonkeyPatch.context() as mp:
         srv = Running(chat_model_dir, **kw)
         eos = srv.tokenizer.token_to_id("<|im_end|>")
-        mp.setattr(coli.runner, "Sampler", scripted_sampler(srv.tokenizer, eos))
+        mp.setattr(coli.runner, "Sampler", scripted_sampler(srv.tokenizer, eos, default_script))
         try:
             yield srv
         finally:

@@ -55,6 +55,9 @@ def serve(
         "--max-connections", envvar="COLI_MAX_CONNECTIONS", show_envvar=True, min=1,
         help="Open connections at most (kept below the open-file limit); past it the idlest is closed. "
              "Default: 512.")] = None,
+    log_format: Annotated[Optional[str], typer.Option(
+        "--log-format", envvar="COLI_LOG_FORMAT", show_envvar=True,
+        help="The access log on stderr, one line per request: text, json or off. Default: text.")] = None,
     threads: ThreadsOpt = None,
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
@@ -96,7 +99,8 @@ def serve(
         raise fail(f"--max-body: {e}") from None
     config = ServerConfig.from_env(host=host, port=port, model_id=model_id, api_key=api_key, allowed_hosts=hosts,
                                    cors_origins=origins, max_body=body_limit, request_timeout=request_timeout,
-                                   idle_timeout=idle_timeout, max_connections=max_connections)
+                                   idle_timeout=idle_timeout, max_connections=max_connections,
+                                   log_format=log_format)
     check_port(host, port)  # a port in use is one line now, not a traceback after loading
     if cluster:  # cluster mode (coli.cluster): the same front end over Ray workers
         from coli.cli.cluster import open_cluster_runner, require_cluster

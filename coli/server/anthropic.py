@@ -5,6 +5,16 @@ tool_use / tool_result, thinking blocks as reasoning) and answered with Anthropi
 content blocks, stop reasons, usage names and, when streaming, its named events, with
 ``ping`` events while a long prompt is being read. ``stop_sequences`` and ``top_k`` are
 applied. Errors use Anthropic's envelope (the middleware picks it by path).
+
+What current clients (Claude Code 2.x) send is accepted: ``system``-role messages inside
+``messages`` render as system turns in place where the template keeps them, else they
+are folded, in order, into the system prompt (``_prompt``); ``thinking`` (``enabled``,
+``adaptive``: the reasoning switch on; ``disabled``: off) and ``output_config.effort``
+(like OpenAI's ``reasoning_effort``); ``cache_control``, ``context_management``,
+``metadata``, ``container``, ``service_tier`` and other unknown fields are ignored; the
+``?beta=true`` query and ``anthropic-beta`` header need nothing. ``max_tokens`` above the
+context is a ceiling, as on the OpenAI endpoints: the reply ends with ``max_tokens`` when
+the context is full (llama-server's behaviour; only a prompt that does not fit is refused).
 """
 from __future__ import annotations
 
@@ -16,7 +26,7 @@ from aiohttp import web
 from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from coli.server import params as P
 from coli.server import structured
-from coli.server.errors import invalid, unsupported
+from coli.server.errors import ApiError, invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
 from coli.server.limits import off_loop
 from coli.server.state import server_of
@@ -62,9 +72,12 @@ def chat_messages(body: dict) -> list[dict]:
         raise invalid("messages: expected a non-empty array of messages", "messages")
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise invalid(f"{where}: expected an object with role 'user' or 'assistant'", where)
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise invalid(f"{where}: expected an object with role 'user', 'assistant' or 'system'", where)
         content = m.get("content")
+        if m["role"] == "system":  # Claude Code's mid-conversation system messages
+            out.append({"role": "system", "content": _text(content, f"{where}.content")})
+            continue
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -166,21 +179,53 @@ def _tool_choice(body: dict) -> tuple[str | None, bool]:
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def _thinking(body: dict) -> dict:
+    """The template's reasoning switch: ``thinking`` wins; else ``output_config.effort``
+    turns it on (as ``reasoning_effort`` does on the OpenAI side); else off (Anthropic's
+    default: no thinking unless asked)."""
     th = body.get("thinking")
+    config = P.get(body, "output_config", dict, {})
+    effort = P.get(config, "effort", str, param="output_config.effort")
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(f"output_config.effort must be one of {', '.join(EFFORTS)}, got {effort!r}",
+                      "output_config.effort")
     if th is None:
-        return {"enable_thinking": False}  # Anthropic's default: no thinking unless asked
+        return {"enable_thinking": effort is not None and effort != "none"}
     if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise invalid("thinking must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}", "thinking")
+        raise invalid("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
+                      "{'type': 'disabled'}", "thinking")
     P.integer(th, "budget_tokens", 1)
-    return {"enable_thinking": th["type"] != "disabled"}
+    return {"enable_thinking": th["type"] != "disabled" and effort != "none"}
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """Every system message joined, in order, into one leading system prompt."""
+    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
 
 def _prompt(server, body: dict):
+    """The rendered prompt. System messages after the first position stay in place when the
+    template renders them there (Qwen3, ChatML); a template that refuses them or drops
+    their text gets them folded into the leading system prompt instead."""
     messages = chat_messages(body)
     choice, parallel = _tool_choice(body)
-    return render(server, messages, tools=_tools(body), tool_choice=choice, parallel=parallel,
-                  template_kwargs=_thinking(body))
+    kw = dict(tools=_tools(body), tool_choice=choice, parallel=parallel, template_kwargs=_thinking(body))
+    later = [m["content"] for m in messages[1:] if m["role"] == "system" and m["content"]]
+    if not later:
+        return render(server, messages, **kw)
+    try:
+        prompt = render(server, messages, **kw)
+        if all(text in prompt.text for text in later):
+            return prompt
+    except ApiError as e:
+        if e.code is not None:  # unsupported tools etc.: not about the system turns
+            raise
+    return render(server, fold_system(messages), **kw)
 
 
 def _model(server, body: dict) -> str:
@@ -196,6 +241,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     server = server_of(request)
     body = await P.read_json(request)
     _model(server, body)
+    # tools are counted as rendered: natively, or in the generic format (coli.grammar.tools)
     return web.json_response({"input_tokens": len((await off_loop(_prompt, server, body)).ids)})
 
 

@@ -14,7 +14,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import anthropic, brio, completions, dashboard, openai
+from coli.server import access_log, anthropic, brio, completions, dashboard, openai, responses
 from coli.server.connections import ConnectionGuard, raise_file_limit
 from coli.server.openapi import document
 from coli.server.security import Guard
@@ -30,7 +30,8 @@ SHUTDOWN_GRACE = 3.0  # seconds in-flight handlers get to send their last frames
 
 def build_app(server: Server) -> web.Application:
     guard, connections = Guard(server.config), ConnectionGuard(server.config)
-    app = web.Application(middlewares=[connections.middleware, _counted, guard.middleware],
+    logged = [access_log.middleware(server.config.log_format)] if server.config.log_format != "off" else []
+    app = web.Application(middlewares=[connections.middleware, *logged, _counted, guard.middleware],
                           client_max_size=server.config.max_body)
     app[SERVER], app[CONNECTIONS] = server, connections
     app.on_cleanup.append(connections.close)
@@ -46,6 +47,7 @@ def build_app(server: Server) -> web.Application:
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
     ])
+    responses.add_routes(app)  # POST /v1/responses and the stored responses (server/responses.py)
     dashboard.mount(app)  # the web dashboard's files (coli web), public like /health
     return app
 

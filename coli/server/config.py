@@ -31,6 +31,7 @@ class ServerConfig:
     stream_ceiling: int = 4 << 20  # bytes queued for one stream past which it is dropped and its request cancelled
     send_buffer: int | None = None  # SO_SNDBUF of streaming sockets (None: the kernel's, which autotunes)
     profile_window: int = 64  # turns kept for GET /profile
+    log_format: str = "text"  # --log-format, COLI_LOG_FORMAT: the access log on stderr (text, json or off)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -47,6 +48,8 @@ class ServerConfig:
                                           f"got {getattr(self, name)}")
         if self.max_connections < 1:
             raise InvalidRequestError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.log_format not in ("text", "json", "off"):
+            raise InvalidRequestError(f"--log-format must be text, json or off, got {self.log_format!r}")
         if any(h == "*" or "*" in h for h in self.allowed_hosts):
             raise InvalidRequestError("--allowed-host takes exact host names or addresses; there is no wildcard")
 
@@ -59,7 +62,7 @@ class ServerConfig:
                  "allowed_hosts": "COLI_ALLOWED_HOSTS", "cors_origins": "COLI_CORS_ORIGINS",
                  "max_body": "COLI_MAX_BODY", "continue_assistant": "COLI_CONTINUE_ASSISTANT",
                  "request_timeout": "COLI_REQUEST_TIMEOUT", "idle_timeout": "COLI_IDLE_TIMEOUT",
-                 "max_connections": "COLI_MAX_CONNECTIONS"}
+                 "max_connections": "COLI_MAX_CONNECTIONS", "log_format": "COLI_LOG_FORMAT"}
         for key, var in names.items():
             if given.get(key) is None and env.get(var):
                 given[key] = _parse(var, env[var], kinds[key])

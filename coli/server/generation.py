@@ -18,6 +18,7 @@ from coli.sampling import SamplingParams
 from coli.scheduler import (Error, Finished, Profile, ReasoningDelta, Started, TextDelta, TokenLogprob, ToolCallDelta,
                             Usage)
 from coli.scheduler.stream import RequestHandle
+from coli.server import access_log
 from coli.server.errors import ApiError, from_coli
 
 SEED_SPACE = 2**63
@@ -84,6 +85,7 @@ class Generation:
                 raise from_coli(ev.exception())
         self.started = list(firsts)
         self._t0 = time.monotonic()
+        access_log.note_queue(max((s.queue_wait_seconds for s in self.started), default=0.0))
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[tuple[int, object] | None]:
         """(choice index, event) until every choice has ended; None after ``keepalive``
@@ -152,6 +154,7 @@ class Generation:
             self._profiles[i] = ev
         elif isinstance(ev, Usage):
             self._usage[i] = ev
+            access_log.note_usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
         elif isinstance(ev, Finished) and i in self._profiles and i in self._usage:
             self.server.telemetry.record_turn(time.monotonic() - self._t0, self._profiles[i], self._usage[i])
 

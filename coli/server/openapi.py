@@ -6,6 +6,7 @@ status codes, content types and schemas.
 """
 from __future__ import annotations
 
+from coli.server.anthropic import EFFORTS as ANTHROPIC_EFFORTS
 from coli.server.openai import EFFORTS, MAX_N, MAX_TOP_LOGPROBS
 
 JSON = "application/json"
@@ -100,7 +101,7 @@ def schemas(model_id: str) -> dict:
         "model": {"type": "string", "enum": [model_id]}, "max_tokens": {"type": "integer", "minimum": 1},
         "system": anthropic_block,
         "messages": {"type": "array", "minItems": 1, "items": _obj({
-            "role": {"enum": ["user", "assistant"]},
+            "role": {"enum": ["user", "assistant", "system"]},
             "content": {"anyOf": [STR, {"type": "array", "items": {"anyOf": [
                 _obj({"type": {"const": "text"}, "text": STR}, ("type", "text")),
                 _obj({"type": {"const": "thinking"}, "thinking": STR, "signature": STR}, ("type", "thinking")),
@@ -120,11 +121,14 @@ def schemas(model_id: str) -> dict:
         "thinking": _obj({"type": {"enum": ["enabled", "disabled", "adaptive"]},
                           "budget_tokens": {"type": "integer", "minimum": 1}}, ("type",)),
         "metadata": {"type": "object"}, "cache_slot": {"type": "integer", "minimum": 0},
-        "output_config": _obj({"format": _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+        "output_config": _obj({"effort": {"enum": list(ANTHROPIC_EFFORTS)},
+                               "format": _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}},
                                               ("type", "schema"))}),
         "output_format": _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}}, ("type", "schema")),
+        "context_management": {"type": "object", "description": "accepted and ignored"},
     }, ("model", "max_tokens", "messages"))
     return {
+        **responses_schemas(model_id),
         "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": NULL_STR, "code": NULL_STR},
                                      ("message", "type"))}, ("error",)),
         "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": STR, "message": STR},
@@ -321,6 +325,7 @@ def document(server) -> dict:
                                          anthropic=True)},
             "/v1/messages/count_tokens": {"post": _op("Count a request's input tokens (Anthropic)", "TokenCount",
                                                       body="CountTokensRequest", anthropic=True)},
+            **responses_paths(),
             "/v1/brio": {"post": _op("Closed-set scoring: the probability of each option", "Brio",
                                      body="BrioRequest")},
             "/tokenize": {"post": _op("Token ids of a text or a rendered chat", "Tokens", body="TokenizeRequest")},
@@ -340,4 +345,81 @@ def document(server) -> dict:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },
+    }
+
+
+# -- the Responses API (coli/server/responses.py) ---------------------------------------------
+
+
+def responses_schemas(model_id: str) -> dict:
+    text_part = {"anyOf": [_obj({"type": {"enum": ["input_text", "output_text", "text"]}, "text": STR},
+                                ("type", "text")),
+                           _obj({"type": {"const": "refusal"}, "refusal": STR}, ("type", "refusal"))]}
+    content = {"anyOf": [STR, {"type": "array", "items": text_part}]}
+    reasoning_part = _obj({"type": {"enum": ["reasoning_text", "summary_text"]}, "text": STR}, ("type", "text"))
+    item = {"anyOf": [
+        _obj({"type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+              "content": content}, ("role", "content")),
+        _obj({"type": {"const": "function_call"}, "call_id": STR, "name": STR, "arguments": STR},
+             ("type", "call_id", "name", "arguments")),
+        _obj({"type": {"const": "function_call_output"}, "call_id": STR, "output": content},
+             ("type", "call_id", "output")),
+        _obj({"type": {"const": "reasoning"}, "summary": {"type": "array", "items": reasoning_part},
+              "content": {"type": "array", "items": reasoning_part}}, ("type",))]}
+    tool = _obj({"type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                 "description": STR, "parameters": {"type": "object"}, "strict": BOOL}, ("type", "name"))
+    out_item = _obj({"type": {"enum": ["message", "reasoning", "function_call"]}, "id": STR, "status": STR},
+                    ("type", "id"))
+    return {
+        "ResponseRequest": _obj({
+            "model": {"type": "string", "enum": [model_id]},
+            "input": {"anyOf": [STR, {"type": "array", "items": item}]}, "instructions": STR,
+            "previous_response_id": STR, "store": BOOL, "stream": BOOL,
+            "background": {"const": False, "description": "true is refused: responses run while the request is open"},
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "seed": INT,
+            "tools": {"type": "array", "items": {"anyOf": [
+                tool, _obj({"type": {"enum": ["web_search", "web_search_preview"]}}, ("type",)),
+                _obj({"type": {"const": "namespace"}, "name": STR, "description": STR,
+                      "tools": {"type": "array", "items": tool}}, ("type", "name", "tools"))]}},
+            "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                                      _obj({"type": {"const": "function"}, "name": STR}, ("type", "name"))]},
+            "parallel_tool_calls": BOOL,
+            "reasoning": _obj({"effort": {"enum": list(EFFORTS)}, "summary": {"enum": ["auto", "concise", "detailed"]}}),
+            "text": _obj({"format": _obj({"type": {"const": "text"}}, ("type",))}),
+            "truncation": {"enum": ["auto", "disabled"]}, "metadata": {"type": "object"}, "user": STR,
+            "cache_slot": {"type": "integer", "minimum": 0},
+        }, ("input",)),
+        "Response": _obj({
+            "id": STR, "object": {"const": "response"}, "created_at": INT, "model": STR,
+            "status": {"enum": ["completed", "incomplete", "in_progress", "failed", "cancelled"]},
+            "output": {"type": "array", "items": out_item},
+            "usage": _nullable(_obj({"input_tokens": INT, "output_tokens": INT, "total_tokens": INT,
+                                     "input_tokens_details": _obj({"cached_tokens": INT}, ("cached_tokens",)),
+                                     "output_tokens_details": _obj({"reasoning_tokens": INT})},
+                                    ("input_tokens", "output_tokens", "total_tokens", "input_tokens_details"))),
+            "previous_response_id": NULL_STR, "instructions": NULL_STR,
+        }, ("id", "object", "created_at", "model", "status", "output")),
+        "ResponseDeleted": _obj({"id": STR, "object": {"const": "response"}, "deleted": BOOL},
+                                ("id", "object", "deleted")),
+        "ResponseItemList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+                                  "first_id": NULL_STR, "last_id": NULL_STR, "has_more": BOOL},
+                                 ("object", "data", "has_more")),
+    }
+
+
+def responses_paths() -> dict:
+    rid = [{"name": "id", "in": "path", "required": True, "schema": STR}]
+    page = [*rid, {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+            {"name": "after", "in": "query", "schema": STR}]
+    return {
+        "/v1/responses": {"post": _op("Response (OpenAI Responses API)", "Response", body="ResponseRequest",
+                                      stream=True)},
+        "/v1/responses/{id}": {"get": _op("A stored response", "Response", params=rid),
+                               "delete": _op("Delete a stored response", "ResponseDeleted", params=rid)},
+        "/v1/responses/{id}/cancel": {"post": _op("Cancel a response still running", "Response", params=rid)},
+        "/v1/responses/{id}/input_items": {"get": _op("A stored response's input items", "ResponseItemList",
+                                                      params=page)},
     }

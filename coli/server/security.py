@@ -27,7 +27,7 @@ from coli.server.errors import ApiError
 log = logging.getLogger("coli.server")
 
 PUBLIC = {"/health"}  # answer without a key (with less in them)
-ALLOW_METHODS = "GET, POST, OPTIONS"
+ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 ALLOW_HEADERS = ("authorization, content-type, x-api-key, anthropic-version, anthropic-beta, "
                  "anthropic-dangerous-direct-browser-access, openai-organization, openai-project")
 EXPOSE_HEADERS = "x-colibri-queue-wait-ms, retry-after"
