@@ -2,9 +2,10 @@
 
 The context (``state`` as one user message, or ``messages``) and the optional question
 are rendered with the chat template up to the assistant's cue; that is the shared
-prefix. Each option's tokens are then read after it (``Runner.score``): the first
-option computes the prefix, and the others, pinned to the same KV slot, reuse it and
-compute only their own tokens. An option's score is its summed log-probability
+prefix, computed once in a KV slot (and reused by the next request with the same
+context). Every option's tokens are then read after it in batched steps
+(``Runner.score_branches``, coli.scoring): options of one token cost nothing more, the
+longer ones are fed together in one step. An option's score is its summed log-probability
 (``normalize: "sum"``) or that divided by its token count (``"mean"``, the default);
 a softmax over the scores gives ``p``, and the entropy of ``p`` divided by ln(options)
 says how sure the model is (0: certain, 1: no idea). Options never enter the prompt.
@@ -16,7 +17,8 @@ import math
 from aiohttp import web
 
 from coli.errors import ColiError
-from coli.scheduler import Error, PromptLogprobs, Started
+from coli.scheduler import Error, Started
+from coli.scoring import BranchLogprobs, Question
 from coli.server import params as P
 from coli.server.errors import from_coli, invalid
 from coli.server.state import server_of
@@ -55,26 +57,8 @@ async def brio(request: web.Request) -> web.Response:
     tok = server.model.tokenizer
     option_ids = [tok.encode(o, add_special_tokens=False) for o in options]
 
-    sums, wait_ms = [], None
-    for ids in option_ids:
-        try:
-            handle = server.runner.score(prefix + ids, len(prefix), cache_slot=slot)
-        except ColiError as e:
-            raise from_coli(e) from None
-        try:
-            scores = None
-            async for ev in handle:
-                if isinstance(ev, Started):
-                    slot = ev.slot  # the next options reuse this slot's prefix
-                    if wait_ms is None:
-                        wait_ms = round(1000 * ev.queue_wait_seconds)
-                elif isinstance(ev, PromptLogprobs):
-                    scores = ev.logprobs
-                elif isinstance(ev, Error):
-                    raise from_coli(ev.exception())
-        finally:
-            handle.cancel()
-        sums.append(sum(scores))
+    logprobs, wait_ms = await score(server, prefix, [Question.of((), option_ids)], slot)
+    sums = [sum(lp) for lp in logprobs[0]]
     counts = [len(ids) for ids in option_ids]
     scores = [s / n for s, n in zip(sums, counts)] if normalize == "mean" else sums
     top = max(scores)
@@ -92,3 +76,24 @@ async def brio(request: web.Request) -> web.Response:
         "usage": {"prompt_tokens": len(prefix), "completion_tokens": 0, "read_tokens": read,
                   "total_tokens": len(prefix) + read},
     }, headers={"x-colibri-queue-wait-ms": str(wait_ms or 0)})
+
+
+async def score(server, prefix: list[int], questions: list[Question], slot: int | None):
+    """Run one batched scoring request; returns ([question][option][token] log-probabilities,
+    the queue wait in ms). Raises ApiError."""
+    try:
+        handle = server.runner.score_branches(prefix, questions, cache_slot=slot)
+    except ColiError as e:
+        raise from_coli(e) from None
+    result, wait_ms = None, 0
+    try:
+        async for ev in handle:
+            if isinstance(ev, Started):
+                wait_ms = round(1000 * ev.queue_wait_seconds)
+            elif isinstance(ev, BranchLogprobs):
+                result = ev.logprobs
+            elif isinstance(ev, Error):
+                raise from_coli(ev.exception())
+    finally:
+        handle.cancel()
+    return result, wait_ms
