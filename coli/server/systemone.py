@@ -333,3 +333,59 @@ def _score(qid, at, criteria, errors) -> Ask | None:
             errors.append(_err([*at, "criteria", i], "Input should be a string, an object or an array", "value_error"))
     keys = [str(i) for i in range(len(criteria))]
     return Ask(qid, "score", "", keys, keys, legend=dict(zip(keys, criteria)))
+
+
+# -- /openapi.json ------------------------------------------------------------------------------
+
+
+def openapi_schemas(model_id: str) -> dict:
+    """The request, reply and error schemas of /v1/systemone (coli.server.openapi)."""
+    text = {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}]}
+    opt_text = {"anyOf": [*text["anyOf"], {"type": "null"}]}
+    prob = {"type": "number", "minimum": 0, "maximum": 1}
+    probs = {"type": "object", "additionalProperties": prob}
+    name = {"type": "string", "minLength": 1, "pattern": r"\S"}
+    noul = {"type": "object", "properties": {
+        "type": {"const": "noul"}, "instructions": opt_text,
+        "criteria": {"anyOf": [{"type": "object", "properties": {"true": opt_text, "false": opt_text},
+                                "additionalProperties": False}, {"type": "null"}]}},
+        "required": ["type"]}
+    choice = {"type": "object", "properties": {
+        "type": {"const": "choice"}, "instructions": opt_text,
+        "criteria": {"type": "object", "propertyNames": name, "additionalProperties": opt_text,
+                     "minProperties": MIN_OPTIONS, "maxProperties": MAX_OPTIONS}}, "required": ["type", "criteria"]}
+    score = {"type": "object", "properties": {
+        "type": {"const": "score"}, "instructions": opt_text,
+        "criteria": {"type": "array", "items": text, "minItems": MIN_LEVELS, "maxItems": MAX_LEVELS}},
+        "required": ["type", "criteria"]}
+    usage = {"type": "object", "properties": {"input_tokens": {"type": "integer", "minimum": 0},
+                                              "output_tokens": {"type": "integer", "minimum": 0}},
+             "required": ["input_tokens", "output_tokens"]}
+    answers = {"anyOf": [
+        {"type": "object", "properties": {"type": {"const": "noul"}, "noul": prob}, "required": ["type", "noul"]},
+        {"type": "object", "properties": {"type": {"const": "choice"}, "choice": {"type": "string"},
+                                          "probabilities": probs, "confidence": prob},
+         "required": ["type", "choice", "probabilities", "confidence"]},
+        {"type": "object", "properties": {"type": {"const": "score"}, "score": {"type": "number", "minimum": 0},
+                                          "confidence": prob, "legend": {"type": "object"}, "probabilities": probs},
+         "required": ["type", "score", "confidence", "legend", "probabilities"]}]}
+    return {
+        "SystemOneRequest": {"type": "object", "properties": {
+            "model": {"type": "string", "enum": [JEV_ALIAS, model_id]}, "state": text,
+            "questions": {"type": "object", "propertyNames": {"type": "string", "minLength": 1},
+                          "additionalProperties": {"anyOf": [noul, choice, score]}, "minProperties": 1}},
+            "required": ["state", "questions"]},
+        "SystemOne": {"type": "object", "properties": {
+            "model": {"type": "string"}, "answers": {"type": "object", "additionalProperties": answers},
+            "usage": usage}, "required": ["model", "answers", "usage"]},
+        "JevError": {"type": "object", "properties": {"detail": {"anyOf": [
+            {"type": "array", "items": {"type": "object", "properties": {
+                "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+                "msg": {"type": "string"}, "type": {"type": "string"}}, "required": ["loc", "msg", "type"]}},
+            {"type": "object", "properties": {"error_type": {"type": "string"}, "message": {"type": "string"}},
+             "required": ["error_type", "message"]}]}}, "required": ["detail"]},
+        "JevModels": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"},
+            "release_date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}},
+            "required": ["name", "description", "release_date"]}},
+    }
