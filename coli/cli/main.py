@@ -10,6 +10,7 @@ from coli.cli.bench import bench
 from coli.cli.chat import chat
 from coli.cli.cluster import app as cluster_app
 from coli.cli.convert import convert
+from coli.cli.decide import decide
 from coli.cli.kv import app as kv_app
 from coli.cli.run import run
 from coli.cli.serve import serve
@@ -29,6 +30,7 @@ app.command()(convert)
 app.command()(bench)
 app.command()(serve)
 app.command()(web)
+app.command()(decide)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

@@ -69,7 +69,13 @@ def jev_models(server) -> list[dict]:
 
 async def systemone(request: web.Request) -> web.Response:
     server = server_of(request)
-    body = await _read(request)
+    reply, wait_ms = await evaluate(server, await _read(request))
+    return web.json_response(reply, headers={"x-colibri-queue-wait-ms": str(wait_ms)})
+
+
+async def evaluate(server, body: dict) -> tuple[dict, int]:
+    """The reply to a request body, and its queue wait in ms (the handler; ``coli decide``
+    calls it without HTTP). Raises ApiError."""
     errors: list[dict] = []
     model_id = _model(server, body)
     if body.get("assets") is not None:
@@ -85,6 +91,8 @@ async def systemone(request: web.Request) -> web.Response:
     tok = server.model.tokenizer
     prefix_text, tail = _split(server, _content(body["state"]))
     prefix = tok.encode(prefix_text, add_special_tokens=False)
+    if not prefix:
+        raise ApiError(400, "this model's chat template renders nothing before the state", code="unsupported_feature")
     questions = []
     for a in asks:
         labels = [tok.encode(label, add_special_tokens=False) for label in a.labels]
@@ -93,14 +101,11 @@ async def systemone(request: web.Request) -> web.Response:
             raise ValidationFailed([_err(["questions", a.qid, "criteria", empty[0]],
                                          "this option name has no tokens in the model's vocabulary", "value_error")])
         questions.append(Question.of(tok.encode(a.text + tail, add_special_tokens=False), labels))
-    if not prefix:  # a template that renders nothing before the state: read the first question from its start
-        raise ApiError(400, "this model's chat template renders nothing before the state", code="unsupported_feature")
     logprobs, wait_ms = await score(server, prefix, questions, None)
     answers = {a.qid: answer(a, lp) for a, lp in zip(asks, logprobs)}
     read = sum(len(q.ids) + sum(len(o) for o in q.options) for q in questions)
-    return web.json_response({"model": model_id, "answers": answers,
-                              "usage": {"input_tokens": len(prefix) + read, "output_tokens": 0}},
-                             headers={"x-colibri-queue-wait-ms": str(wait_ms)})
+    return {"model": model_id, "answers": answers,
+            "usage": {"input_tokens": len(prefix) + read, "output_tokens": 0}}, wait_ms
 
 
 def answer(a: Ask, logprobs) -> dict:
