@@ -342,3 +342,28 @@ def test_brio_matches_the_per_option_loop(srv):
     assert [c["logprob"] for c in r["choices"]] == pytest.approx(sums, abs=1e-5)
     p = S.probabilities([s / c["tokens"] for s, c in zip(sums, r["choices"])])
     assert [c["p"] for c in r["choices"]] == pytest.approx(p, abs=1e-5)
+
+
+def test_a_runner_without_batched_scoring_gets_the_same_numbers(srv):
+    """The cluster router has no score_branches: /v1/brio and /v1/systemone fall back to
+    one scoring request per option, with the same log-probabilities."""
+    import asyncio
+    import types
+
+    from coli.scoring import Question
+    from coli.server.brio import score
+
+    class OnlyScore:
+        def __init__(self, runner):
+            self.score = runner.score
+
+    tok = srv.tokenizer
+    prefix = tok.encode("<|im_start|>user\nA state.\n\n", add_special_tokens=False)
+    qs = [Question.of(tok.encode("Is it? Answer Yes or No.<|im_end|>\n<|im_start|>assistant\n",
+                                 add_special_tokens=False), [tok.encode(x, add_special_tokens=False)
+                                                             for x in ("Yes", "No", "maybe not")])]
+    batched, _ = asyncio.run(score(srv.server, prefix, qs, None))
+    each, _ = asyncio.run(score(types.SimpleNamespace(runner=OnlyScore(srv.runner)), prefix, qs, None))
+    assert len(each[0]) == 3
+    for a, b in zip(batched[0], each[0]):
+        assert a == pytest.approx(b, abs=1e-5)

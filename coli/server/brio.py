@@ -17,7 +17,7 @@ import math
 from aiohttp import web
 
 from coli.errors import ColiError
-from coli.scheduler import Error, Started
+from coli.scheduler import Error, PromptLogprobs, Started
 from coli.scoring import BranchLogprobs, Question
 from coli.server import params as P
 from coli.server.errors import from_coli, invalid
@@ -80,7 +80,10 @@ async def brio(request: web.Request) -> web.Response:
 
 async def score(server, prefix: list[int], questions: list[Question], slot: int | None):
     """Run one batched scoring request; returns ([question][option][token] log-probabilities,
-    the queue wait in ms). Raises ApiError."""
+    the queue wait in ms). Raises ApiError. A runner without ``score_branches`` (the cluster
+    router's) gets one ``score`` request per option instead: the same numbers, more steps."""
+    if not hasattr(server.runner, "score_branches"):
+        return await _score_each(server, prefix, questions, slot)
     try:
         handle = server.runner.score_branches(prefix, questions, cache_slot=slot)
     except ColiError as e:
@@ -97,3 +100,28 @@ async def score(server, prefix: list[int], questions: list[Question], slot: int 
     finally:
         handle.cancel()
     return result, wait_ms
+
+
+async def _score_each(server, prefix: list[int], questions: list[Question], slot: int | None):
+    out, wait_ms = [], None
+    for q in questions:
+        row = []
+        for option in q.options:
+            start = len(prefix) + len(q.ids)
+            try:
+                handle = server.runner.score(prefix + list(q.ids) + list(option), start, cache_slot=slot)
+            except ColiError as e:
+                raise from_coli(e) from None
+            try:
+                async for ev in handle:
+                    if isinstance(ev, Started):
+                        slot = ev.slot  # the next options reuse this slot's prefix
+                        wait_ms = round(1000 * ev.queue_wait_seconds) if wait_ms is None else wait_ms
+                    elif isinstance(ev, PromptLogprobs):
+                        row.append(tuple(ev.logprobs))
+                    elif isinstance(ev, Error):
+                        raise from_coli(ev.exception())
+            finally:
+                handle.cancel()
+        out.append(tuple(row))
+    return tuple(out), wait_ms or 0
