@@ -141,6 +141,13 @@ class Model:
             out[i : i + len(chunk)] = self.engine.step([(cache, chunk)], all_logits=True)
         return out
 
+    def score_options(self, prefix_ids: Sequence[int], options: Sequence[Sequence[int]]) -> list[tuple[float, ...]]:
+        """Each option's per-token log-probabilities after ``prefix_ids``: the prefix is
+        computed once, the options in batched steps (``coli.scoring``). Nothing is generated."""
+        from coli.scoring import score_options
+
+        return score_options(self.engine, prefix_ids, options, chunk=PREFILL_CHUNK)
+
     def prompt_ids(self, prompt_or_messages, *, raw: bool = False, **template_kwargs) -> list[int]:
         """Token ids of a prompt: a list of chat messages is rendered with the chat
         template; a string is rendered as one user message, or used as-is when raw."""

@@ -32,8 +32,8 @@ from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_
 from coli.metrics import SchedulerMetrics
 from coli.sampling import Sampler, SamplingParams, logprobs as log_softmax
 from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
-from coli.scheduler.events import (Error, Finished, Profile, PromptLogprobs, Routing, Started, TextDelta, TokenLogprob,
-                                   Usage)
+from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, Profile, PromptLogprobs, Routing,
+                                   Started, TextDelta, TokenLogprob, Usage)
 from coli.scheduler.stream import RequestHandle
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer
@@ -100,6 +100,7 @@ class _Generation:
     bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids, values) added to the logits
     score_from: int | None = None  # a scoring request: logprobs of prompt[score_from:], no generation
     guided: grammar.GuidedState | None = None  # a constraint (coli.grammar): masks and forced tokens
+    branches: tuple | None = None  # a batched scoring request: coli.scoring.Questions read after the prompt
     scores: list[float] = field(default_factory=list)
     text_seen: bool = False  # non-whitespace text was produced
     generated: list[int] = field(default_factory=list)
@@ -142,6 +143,7 @@ class Runner:
         self.grammar_stats = grammar.GrammarStats()
         self._masks = grammar.MaskWorker()
         self._vocabulary = None
+        self._scorer = None  # coli.scoring.BranchScorer, made on the first batched scoring request
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
         # The kernels run on the runner's thread from now on: retire the OpenMP workers this
@@ -223,6 +225,28 @@ class Runner:
         handle = RequestHandle(req, self.scheduler.cancel)
         req.payload = _Generation(handle, Sampler(SamplingParams(temperature=0)), StopMatcher(),
                                   IncrementalDetokenizer(self.tokenizer), False, score_from=start)
+        self.scheduler.add_request(req)
+        return handle
+
+    def score_branches(self, prefix: Sequence[int], questions: Sequence, *, cache_slot: int | None = None,
+                       request_id: str | None = None) -> RequestHandle:
+        """Batched closed-set scoring (``coli.scoring``): ``prefix`` goes through a KV slot
+        like a prompt (reused from, and left in, the slot); then every ``Question``'s options
+        are read after it in a few batched steps. The handle yields Started, BranchLogprobs,
+        Profile, Usage (0 completion tokens), Finished. Raises like ``submit``."""
+        ids = self._check_prompt(prompt=prefix)
+        longest = max((q.length for q in questions), default=0)
+        if not questions:
+            raise InvalidRequestError("score_branches: give at least one question")
+        if len(ids) + longest > self.ctx:
+            raise ContextLengthExceededError(f"context_length_exceeded: {len(ids) + longest} tokens do not fit "
+                                             f"the context of {self.ctx}")
+        req = Request(ids, 1, cache_slot)
+        if request_id is not None:
+            req.request_id = request_id
+        handle = RequestHandle(req, self.scheduler.cancel)
+        req.payload = _Generation(handle, Sampler(SamplingParams(temperature=0)), StopMatcher(),
+                                  IncrementalDetokenizer(self.tokenizer), False, branches=tuple(questions))
         self.scheduler.add_request(req)
         return handle
 
@@ -345,7 +369,7 @@ class Runner:
         routed = stats.routed
         phases = {field_: getattr(stats, attr, 0) for attr, field_ in PHASES.items()}
         picks = None if scoring else _greedy_picks(plan, logits)
-        outputs, row = {}, 0
+        outputs, row, branching = {}, 0, []
         for i, s in enumerate(plan.seqs):
             req, g = s.request, s.request.payload
             g.steps += 1
@@ -365,10 +389,33 @@ class Runner:
             if g.score_from is not None and scoring:
                 self._score(req, s, logits[row: row + len(s.tokens)])
             row += len(s.tokens)
-            if s.sample and not req.cancel_requested:
+            if s.sample and not req.cancel_requested and g.branches is not None:
+                branching.append((req, logits[last].copy()))  # run after this loop: it steps the engine
+            elif s.sample and not req.cancel_requested:
                 outputs[req.request_id] = (SeqOutput(None, "stop") if g.score_from is not None
                                            else self._sample(req, logits[last], None if picks is None else picks[i]))
+        for req, last_logits in branching:
+            outputs[req.request_id] = self._branches(req, last_logits)
         return self.scheduler.update_from_output(plan, outputs)
+
+    def _branches(self, req: Request, last_logits: np.ndarray) -> SeqOutput:
+        """A batched scoring request's prefix is in its slot: score its branches (coli.scoring)."""
+        from coli.scoring import BranchScorer
+
+        g = req.payload
+        if self._scorer is None:
+            self._scorer = BranchScorer(self.engine)
+        try:
+            result = self._scorer.run(self.caches[req.slot], last_logits, g.branches)
+        except Exception as e:
+            return SeqOutput(error=f"scoring failed: {e}")
+        finally:
+            self._scorer.trim()
+        self.steps += result.steps
+        g.steps += result.steps
+        g.prefill_tokens += result.tokens
+        g.handle.put(result)
+        return SeqOutput(None, "stop")
 
     def _score(self, req: Request, s, rows) -> None:
         """Log-probabilities of the prompt tokens that ``rows`` (the logits of s.tokens) predict."""

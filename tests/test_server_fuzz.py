@@ -37,7 +37,11 @@ def api_shaped(ctx, response, case):
     if response.status_code < 400:
         return None
     body = response.json()
-    if case.path.startswith("/v1/messages"):
+    if case.path.startswith("/v1/systemone"):  # TypeSafe's envelope: detail[] (422) or detail.error_type/message
+        detail = body["detail"]
+        assert (isinstance(detail, list) and response.status_code == 422 and all("msg" in d for d in detail)) or (
+            isinstance(detail["error_type"], str) and isinstance(detail["message"], str)), body
+    elif case.path.startswith("/v1/messages"):
         assert body["type"] == "error" and isinstance(body["error"]["message"], str), body
         assert isinstance(body["error"]["type"], str), body
     else:
@@ -50,7 +54,7 @@ def api_shaped(ctx, response, case):
 POSITIVE = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 NEGATIVE = [not_a_server_error, status_code_conformance, content_type_conformance, negative_data_rejection]
 OPERATIONS = ["GET /v1/models", "GET /v1/models/{model}", "POST /v1/chat/completions", "POST /v1/completions",
-              "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/brio", "POST /tokenize",
+              "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/brio", "POST /v1/systemone", "POST /tokenize",
               "POST /detokenize", "GET /health", "GET /metrics", "GET /experts", "GET /profile",
               "GET /openapi.json", "POST /v1/responses", "GET /v1/responses/{id}", "DELETE /v1/responses/{id}",
               "POST /v1/responses/{id}/cancel", "GET /v1/responses/{id}/input_items"]

@@ -14,6 +14,7 @@ from coli.cli.chat import chat
 from coli.cli.cluster import app as cluster_app
 from coli.cli.common import stderr
 from coli.cli.convert import convert
+from coli.cli.decide import decide
 from coli.cli.kv import app as kv_app
 from coli.cli.models import list_models, plan, ps, pull, rm, show
 from coli.cli.run import run
@@ -40,6 +41,7 @@ app.command()(show)
 app.command()(rm)
 app.command()(ps)
 app.command()(plan)
+app.command()(decide)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

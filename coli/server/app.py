@@ -14,7 +14,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import access_log, anthropic, brio, completions, dashboard, openai, responses
+from coli.server import access_log, anthropic, brio, completions, dashboard, openai, responses, systemone
 from coli.server.connections import ConnectionGuard, raise_file_limit
 from coli.server.openapi import document
 from coli.server.security import Guard
@@ -42,7 +42,8 @@ def build_app(server: Server) -> web.Application:
         web.post("/v1/chat/completions", openai.chat_completions),
         web.post("/v1/completions", completions.completions),
         web.post("/v1/messages", anthropic.messages), web.post("/v1/messages/count_tokens", anthropic.count_tokens),
-        web.post("/v1/brio", brio.brio), web.post("/tokenize", completions.tokenize),
+        web.post("/v1/brio", brio.brio), web.post("/v1/systemone", systemone.systemone),
+        web.post("/tokenize", completions.tokenize),
         web.post("/detokenize", completions.detokenize), web.get("/health", t.health),
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),

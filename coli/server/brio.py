@@ -2,9 +2,10 @@
 
 The context (``state`` as one user message, or ``messages``) and the optional question
 are rendered with the chat template up to the assistant's cue; that is the shared
-prefix. Each option's tokens are then read after it (``Runner.score``): the first
-option computes the prefix, and the others, pinned to the same KV slot, reuse it and
-compute only their own tokens. An option's score is its summed log-probability
+prefix, computed once in a KV slot (and reused by the next request with the same
+context). Every option's tokens are then read after it in batched steps
+(``Runner.score_branches``, coli.scoring): options of one token cost nothing more, the
+longer ones are fed together in one step. An option's score is its summed log-probability
 (``normalize: "sum"``) or that divided by its token count (``"mean"``, the default);
 a softmax over the scores gives ``p``, and the entropy of ``p`` divided by ln(options)
 says how sure the model is (0: certain, 1: no idea). Options never enter the prompt.
@@ -17,6 +18,7 @@ from aiohttp import web
 
 from coli.errors import ColiError
 from coli.scheduler import Error, PromptLogprobs, Started
+from coli.scoring import BranchLogprobs, Question
 from coli.server import params as P
 from coli.server.errors import from_coli, invalid
 from coli.server.limits import check_length, off_loop
@@ -57,26 +59,8 @@ async def brio(request: web.Request) -> web.Response:
     tok = server.model.tokenizer
     option_ids = await off_loop(lambda: [tok.encode(o, add_special_tokens=False) for o in options])
 
-    sums, wait_ms = [], None
-    for ids in option_ids:
-        try:
-            handle = server.runner.score(prefix + ids, len(prefix), cache_slot=slot)
-        except ColiError as e:
-            raise from_coli(e) from None
-        try:
-            scores = None
-            async for ev in handle:
-                if isinstance(ev, Started):
-                    slot = ev.slot  # the next options reuse this slot's prefix
-                    if wait_ms is None:
-                        wait_ms = round(1000 * ev.queue_wait_seconds)
-                elif isinstance(ev, PromptLogprobs):
-                    scores = ev.logprobs
-                elif isinstance(ev, Error):
-                    raise from_coli(ev.exception())
-        finally:
-            handle.cancel()
-        sums.append(sum(scores))
+    logprobs, wait_ms = await score(server, prefix, [Question.of((), option_ids)], slot)
+    sums = [sum(lp) for lp in logprobs[0]]
     counts = [len(ids) for ids in option_ids]
     scores = [s / n for s, n in zip(sums, counts)] if normalize == "mean" else sums
     top = max(scores)
@@ -94,3 +78,52 @@ async def brio(request: web.Request) -> web.Response:
         "usage": {"prompt_tokens": len(prefix), "completion_tokens": 0, "read_tokens": read,
                   "total_tokens": len(prefix) + read},
     }, headers={"x-colibri-queue-wait-ms": str(wait_ms or 0)})
+
+
+async def score(server, prefix: list[int], questions: list[Question], slot: int | None):
+    """Run one batched scoring request; returns ([question][option][token] log-probabilities,
+    the queue wait in ms). Raises ApiError. A runner without ``score_branches`` (the cluster
+    router's) gets one ``score`` request per option instead: the same numbers, more steps."""
+    if not hasattr(server.runner, "score_branches"):
+        return await _score_each(server, prefix, questions, slot)
+    try:
+        handle = server.runner.score_branches(prefix, questions, cache_slot=slot)
+    except ColiError as e:
+        raise from_coli(e) from None
+    result, wait_ms = None, 0
+    try:
+        async for ev in handle:
+            if isinstance(ev, Started):
+                wait_ms = round(1000 * ev.queue_wait_seconds)
+            elif isinstance(ev, BranchLogprobs):
+                result = ev.logprobs
+            elif isinstance(ev, Error):
+                raise from_coli(ev.exception())
+    finally:
+        handle.cancel()
+    return result, wait_ms
+
+
+async def _score_each(server, prefix: list[int], questions: list[Question], slot: int | None):
+    out, wait_ms = [], None
+    for q in questions:
+        row = []
+        for option in q.options:
+            start = len(prefix) + len(q.ids)
+            try:
+                handle = server.runner.score(prefix + list(q.ids) + list(option), start, cache_slot=slot)
+            except ColiError as e:
+                raise from_coli(e) from None
+            try:
+                async for ev in handle:
+                    if isinstance(ev, Started):
+                        slot = ev.slot  # the next options reuse this slot's prefix
+                        wait_ms = round(1000 * ev.queue_wait_seconds) if wait_ms is None else wait_ms
+                    elif isinstance(ev, PromptLogprobs):
+                        row.append(tuple(ev.logprobs))
+                    elif isinstance(ev, Error):
+                        raise from_coli(ev.exception())
+            finally:
+                handle.cancel()
+        out.append(tuple(row))
+    return tuple(out), wait_ms or 0

@@ -36,6 +36,24 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),
                                            "message": self.message}}
 
+    def jev(self) -> dict:
+        """The envelope of /v1/systemone (TypeSafe's Jev API)."""
+        return {"detail": {"error_type": OPENAI_TYPES.get(self.status, "invalid_request_error"),
+                           "message": self.message}}
+
+
+class ValidationFailed(ApiError):
+    """422: a request body that does not validate, with each problem as {"loc", "msg", "type"}
+    (the shape of /v1/systemone's validation errors)."""
+
+    def __init__(self, detail: list[dict]):
+        super().__init__(422, "; ".join(f"{'.'.join(str(x) for x in d['loc'][1:])}: {d['msg']}" for d in detail),
+                         code="validation_error")
+        self.detail = detail
+
+    def jev(self) -> dict:
+        return {"detail": self.detail}
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)

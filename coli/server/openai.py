@@ -39,7 +39,12 @@ def _model_card(server) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(server_of(request))]})
+    """OpenAI's list (``data``) and, in the same body, the Jev list (``models``) that
+    /v1/systemone's clients read (coli.server.systemone)."""
+    from coli.server.systemone import jev_models
+
+    server = server_of(request)
+    return web.json_response({"object": "list", "data": [_model_card(server)], "models": jev_models(server)})
 
 
 async def model(request: web.Request) -> web.Response:

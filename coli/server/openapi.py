@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from coli.server.anthropic import EFFORTS as ANTHROPIC_EFFORTS
 from coli.server.openai import EFFORTS, MAX_N, MAX_TOP_LOGPROBS
+from coli.server.systemone import openapi_schemas as systemone_schemas
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -135,8 +136,9 @@ def schemas(model_id: str) -> dict:
                                                                           ("type", "message"))}, ("type", "error")),
         "Model": _obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR,
                        "max_model_len": INT}, ("id", "object", "created", "owned_by")),
-        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
-                          ("object", "data")),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")},
+                           "models": _ref("JevModels")}, ("object", "data")),
+        **systemone_schemas(model_id),
         "ChatCompletionRequest": _obj({
             **sampling, "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
             "max_completion_tokens": {"type": "integer", "minimum": 1},
@@ -287,6 +289,12 @@ def cross_field_rules(out: dict, server) -> dict:
     return out
 
 
+def _jev(op: dict) -> dict:
+    """An operation whose errors use the Jev envelope ({"detail": ...})."""
+    op["responses"]["default"] = {"description": "a Jev-shaped error", **_json("JevError")}
+    return op
+
+
 def nullable_optionals(schema):
     """The server reads JSON null as "not given" (clients send nulls for unset fields), so
     every optional property of every object also accepts null."""
@@ -328,6 +336,8 @@ def document(server) -> dict:
             **responses_paths(),
             "/v1/brio": {"post": _op("Closed-set scoring: the probability of each option", "Brio",
                                      body="BrioRequest")},
+            "/v1/systemone": {"post": _jev(_op("Typed decisions with probabilities (TypeSafe's Jev API)",
+                                               "SystemOne", body="SystemOneRequest"))},
             "/tokenize": {"post": _op("Token ids of a text or a rendered chat", "Tokens", body="TokenizeRequest")},
             "/detokenize": {"post": _op("Text of token ids", "Text", body="DetokenizeRequest")},
             "/health": {"get": {**_op("Scheduler counters and slots; model, memory and hardware when "

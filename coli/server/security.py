@@ -93,6 +93,8 @@ class Guard:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         anthropic = request.path.startswith("/v1/messages")
+        if request.path.startswith("/v1/systemone"):
+            anthropic = "jev"  # TypeSafe's envelope (coli.server.systemone)
         try:
             return await self._guarded(request, handler)
         except ApiError as e:
@@ -153,8 +155,9 @@ def allowed_methods(request: web.Request) -> str:
     return ALLOW_METHODS
 
 
-def error_response(e: ApiError, anthropic: bool) -> web.Response:
-    return web.json_response(e.anthropic() if anthropic else e.openai(), status=e.status, headers=e.headers)
+def error_response(e: ApiError, anthropic: bool | str) -> web.Response:
+    body = e.jev() if anthropic == "jev" else e.anthropic() if anthropic else e.openai()
+    return web.json_response(body, status=e.status, headers=e.headers)
 
 
 def _from_http(e: web.HTTPException, request: web.Request) -> ApiError:

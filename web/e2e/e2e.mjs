@@ -154,6 +154,16 @@ try {
   check(entropy >= 0 && entropy <= 1 && verdict, `Brio: entropy ${entropy} reads as "${verdict}"`)
   await shot(page, 'brio.png')
 
+  // Typed decisions on the same page: one answer per question, each with its bars; choice
+  // and score show a confidence in 0..1 (POST /v1/systemone).
+  await page.getByTestId('decisions-run').click()
+  await page.getByTestId('decision-answer').first().waitFor({ timeout: 60000 })
+  const types = await page.getByTestId('decision-answer').evaluateAll((els) => els.map((e) => e.dataset.type))
+  check(types.join(',') === 'noul,choice,score', `Decisions: answers of types ${types.join(',')}`)
+  const confs = await page.getByTestId('decision-confidence').evaluateAll((els) => els.map((e) => Number(e.textContent)))
+  check(confs.length === 2 && confs.every((c) => c >= 0 && c <= 1), `Decisions: confidences ${confs.join(', ')}`)
+  await page.getByTestId('decisions').screenshot({ path: join(OUT, 'decisions.png') })
+
   // Brain: one cell per expert; after a message, the routed experts are lit.
   await page.getByTestId('dock-chat').click()
   await page.getByTestId('chat-input').fill('What does ocean mean?')

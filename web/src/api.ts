@@ -139,6 +139,18 @@ export interface BrioResult {
   usage?: Record<string, number>
 }
 
+/** /v1/systemone (TypeSafe's Jev API): one answer per question id. */
+export type SystemOneAnswer =
+  | { type: 'noul'; noul: number }
+  | { type: 'choice'; choice: string; probabilities: Record<string, number>; confidence: number }
+  | { type: 'score'; score: number; confidence: number; legend: Record<string, unknown>; probabilities: Record<string, number> }
+
+export interface SystemOneResult {
+  model: string
+  answers: Record<string, SystemOneAnswer>
+  usage: { input_tokens: number; output_tokens: number }
+}
+
 export interface ChatMessage {
   role: 'system' | 'user' | 'assistant'
   content: string

@@ -1,6 +1,8 @@
 import { describe, expect, it } from 'vitest'
 import {
   addSnapshot,
+  answerBars,
+  decisionQuestion,
   base64Bytes,
   bit,
   brightness,
@@ -167,6 +169,34 @@ describe('brio', () => {
 
   it('takes one allowed answer per line, trimmed and distinct', () => {
     expect(parseOptions(' yes \n\nno\nyes\n maybe')).toEqual(['yes', 'no', 'maybe'])
+  })
+})
+
+describe('typed decisions', () => {
+  const d = (kind: 'noul' | 'choice' | 'score', instructions: string, lines = '', yes = '', no = '') =>
+    ({ id: 'q', kind, instructions, lines, yes, no })
+
+  it('builds noul questions with one-sided, two-sided and absent criteria', () => {
+    expect(decisionQuestion(d('noul', 'Spam?'))).toEqual({ type: 'noul', instructions: 'Spam?' })
+    expect(decisionQuestion(d('noul', '', '', 'ads'))).toEqual({ type: 'noul', criteria: { true: 'ads' } })
+    expect(decisionQuestion(d('noul', 'Spam?', '', 'ads', 'mail'))).toEqual({
+      type: 'noul', instructions: 'Spam?', criteria: { true: 'ads', false: 'mail' } })
+    expect(typeof decisionQuestion(d('noul', ''))).toBe('string')
+  })
+
+  it('reads choice options (with descriptions) and score levels one per line', () => {
+    expect(decisionQuestion(d('choice', 'Team?', 'billing: payments\ntech\n café '))).toEqual({
+      type: 'choice', instructions: 'Team?', criteria: { billing: 'payments', tech: null, 'café': null } })
+    expect(typeof decisionQuestion(d('choice', 'Team?', 'only'))).toBe('string')
+    expect(decisionQuestion(d('score', '', 'low\nhigh'))).toEqual({ type: 'score', criteria: ['low', 'high'] })
+    expect(typeof decisionQuestion(d('score', '', Array.from({ length: 11 }, (_, i) => `l${i}`).join('\n')))).toBe('string')
+  })
+
+  it('turns answers into bars', () => {
+    expect(answerBars({ type: 'noul', noul: 0.75 })).toEqual([['yes', 0.75], ['no', 0.25]])
+    expect(answerBars({ type: 'choice', choice: 'b', confidence: 0.4, probabilities: { a: 0.3, b: 0.7 } })[0]).toEqual(['b', 0.7])
+    expect(answerBars({ type: 'score', score: 0.6, confidence: 0.2, legend: { 0: 'low', 1: 'high' },
+      probabilities: { 0: 0.4, 1: 0.6 } })).toEqual([['0 · low', 0.4], ['1 · high', 0.6]])
   })
 })
 

@@ -1,6 +1,6 @@
 // Pure data transforms (unit-tested): the /experts byte grid, co-activation, profile
 // phases, Brio verdicts, exports, formatting.
-import type { ChatMessage, ExpertsSnapshot, Turn } from './api'
+import type { ChatMessage, ExpertsSnapshot, SystemOneAnswer, Turn } from './api'
 
 export const TIER_NAMES = ['disk', 'ram', 'pinned', 'tier 3'] as const
 export type TierName = (typeof TIER_NAMES)[number]
@@ -194,6 +194,57 @@ export function parseOptions(text: string): string[] {
     }
   }
   return out
+}
+
+// ---- typed decisions (/v1/systemone) -------------------------------------------------------------
+
+export type DecisionKind = 'noul' | 'choice' | 'score'
+
+/** A question as the form holds it: choice options and score levels one per line
+ *  ("name: description" gives an option a description); noul sides may be empty. */
+export interface DecisionDraft {
+  id: string
+  kind: DecisionKind
+  instructions: string
+  lines: string
+  yes: string
+  no: string
+}
+
+/** The wire form of a draft question, or a sentence saying what is missing. */
+export function decisionQuestion(d: DecisionDraft): Record<string, unknown> | string {
+  const instructions = d.instructions.trim()
+  if (d.kind === 'noul') {
+    const criteria: Record<string, string> = {}
+    if (d.yes.trim()) criteria.true = d.yes.trim()
+    if (d.no.trim()) criteria.false = d.no.trim()
+    if (!instructions && !Object.keys(criteria).length) return 'a yes/no question needs a question or a description of yes or no'
+    const q: Record<string, unknown> = { type: 'noul' }
+    if (instructions) q.instructions = instructions
+    if (Object.keys(criteria).length) q.criteria = criteria
+    return q
+  }
+  const lines = parseOptions(d.lines)
+  if (d.kind === 'choice') {
+    if (lines.length < 2 || lines.length > 255) return 'a choice needs 2 to 255 options'
+    const criteria: Record<string, string | null> = {}
+    for (const line of lines) {
+      const at = line.indexOf(': ')
+      if (at > 0) criteria[line.slice(0, at).trim()] = line.slice(at + 2).trim() || null
+      else criteria[line] = null
+    }
+    return { type: 'choice', ...(instructions ? { instructions } : {}), criteria }
+  }
+  if (lines.length < 2 || lines.length > 10) return 'a score needs 2 to 10 levels'
+  return { type: 'score', ...(instructions ? { instructions } : {}), criteria: lines }
+}
+
+/** An answer's outcomes as (label, probability), likeliest first for a choice, in level order for a score. */
+export function answerBars(a: SystemOneAnswer): [string, number][] {
+  if (a.type === 'noul') return [['yes', a.noul], ['no', 1 - a.noul]]
+  const rows = Object.entries(a.probabilities)
+  if (a.type === 'choice') return rows.sort((x, y) => y[1] - x[1])
+  return rows.map(([k, p]) => [`${k} · ${typeof a.legend[k] === 'string' ? a.legend[k] : JSON.stringify(a.legend[k])}`, p])
 }
 
 // ---- chat export --------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ import { postJSON } from '../api'
 import type { BrioResult } from '../api'
 import { useStore } from '../store'
 import { parseOptions, verdict } from '../transforms'
+import { Decisions } from './Decisions'
 
 const VERDICT_TEXT = {
   confident: 'Confident',
@@ -104,6 +105,7 @@ export function Brio() {
           </ol>
         </div>
       )}
+      <Decisions doc={doc} />
     </section>
   )
 }
