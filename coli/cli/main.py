@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 import coli
+from coli.cli.atlas import atlas
 from coli.cli.bench import bench
 from coli.cli.chat import chat
 from coli.cli.cluster import app as cluster_app
@@ -29,6 +30,7 @@ app.command()(convert)
 app.command()(bench)
 app.command()(serve)
 app.command()(web)
+app.command()(atlas)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

@@ -13,7 +13,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import anthropic, brio, completions, dashboard, openai
+from coli.server import anthropic, atlas, brio, completions, dashboard, openai
 from coli.server.openapi import document
 from coli.server.security import Guard
 from coli.server.state import SERVER, Server
@@ -37,6 +37,7 @@ def build_app(server: Server) -> web.Application:
         web.post("/detokenize", completions.detokenize), web.get("/health", t.health),
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
+        web.get("/experts/atlas", atlas.atlas),
     ])
     dashboard.mount(app)  # the web dashboard's files (coli web), public like /health
     return app
