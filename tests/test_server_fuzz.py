@@ -51,7 +51,7 @@ POSITIVE = [not_a_server_error, status_code_conformance, content_type_conformanc
 NEGATIVE = [not_a_server_error, status_code_conformance, content_type_conformance, negative_data_rejection]
 OPERATIONS = ["GET /v1/models", "GET /v1/models/{model}", "POST /v1/chat/completions", "POST /v1/completions",
               "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/brio", "POST /tokenize",
-              "POST /detokenize", "GET /health", "GET /metrics", "GET /experts", "GET /profile",
+              "POST /detokenize", "GET /health", "GET /metrics", "GET /experts", "GET /experts/atlas", "GET /profile",
               "GET /openapi.json"]
 
 
