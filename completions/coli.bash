@@ -6,10 +6,18 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli atlas"|"coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
+        "coli atlas --model"|"coli atlas -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --corpus"|"coli atlas -c") COMPREPLY=(); return ;;
+        "coli atlas --out"|"coli atlas -o") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --regions") COMPREPLY=(); return ;;
+        "coli atlas --max-tokens") COMPREPLY=(); return ;;
+        "coli atlas --batch-tokens") COMPREPLY=(); return ;;
+        "coli atlas --threads"|"coli atlas -t") COMPREPLY=(); return ;;
+        "coli atlas --quant"|"coli atlas -q") COMPREPLY=(); return ;;
         "coli bench --model"|"coli bench -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli bench --synthetic") COMPREPLY=(); return ;;
         "coli bench --quant"|"coli bench -q") COMPREPLY=(); return ;;
@@ -105,7 +113,8 @@ _coli() {
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
+        "coli") words="--version atlas bench chat cluster convert kv run serve web"; files=0 ;;
+        "coli atlas") words="--model -m --corpus -c --out -o --regions --max-tokens --batch-tokens --restart --threads -t --quant -q"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
