@@ -255,3 +255,58 @@ def test_the_builtin_model_ships_its_atlas():
     assert 2 <= len(doc["regions"]) <= 10
     every = sorted(tuple(x) for r in doc["regions"] for x in r["experts"])
     assert len(every) == len(set(every))  # a partition of the experts it saw
+
+
+# -- the TUI's routing pane, labelled by region ----------------------------------------------------
+
+
+def test_routing_pane_labels_cells_by_region(doc):
+    from coli.tui.grid import ExpertGrid
+    from coli.tui.widgets import CELL, REGION_MARKS, render_routing
+
+    regions = A.region_grid(doc)
+    g = ExpertGrid(np.ones((LAYERS, E), np.uint8), np.ones((LAYERS, E), np.uint8), np.zeros((LAYERS, E), bool))
+    lines = render_routing(g, None, width=60, regions=regions).plain.splitlines()
+    for l in range(LAYERS):
+        marks = lines[l].split()[1]
+        for c in range(CLASSES):  # a class's two experts in a layer carry one mark
+            assert marks[primary(c, l)] == marks[secondary(c, l)]
+        assert len(set(marks)) == CLASSES and CELL not in marks
+    legend = " ".join(lines[LAYERS:])
+    assert all(f"{REGION_MARKS[i]} {r['name']}" in legend for i, r in enumerate(doc["regions"]))
+    assert CELL in render_routing(g, None, width=60).plain  # without regions: blocks
+
+
+def test_f6_toggles_region_labels_in_the_chat_app(doc):
+    from test_tui import ScriptedBackend, run
+
+    from coli.tui.app import ChatApp
+    from coli.tui.grid import ExpertGrid
+    from coli.tui.widgets import CELL, RoutingPane
+
+    class WithAtlas(ScriptedBackend):
+        def __init__(self, atlas):
+            super().__init__()
+            self.doc = atlas
+
+        def atlas(self):
+            return self.doc
+
+        def grid(self):
+            return ExpertGrid(np.ones((LAYERS, E), np.uint8), np.ones((LAYERS, E), np.uint8),
+                              np.zeros((LAYERS, E), bool), self.step)
+
+    async def body(backend, labelled):
+        app = ChatApp(backend, history_file=None)
+        async with app.run_test(size=(120, 36)) as pilot:
+            pane = app.query_one(RoutingPane)
+            await pilot.press("f6")
+            await pilot.pause(0.1)
+            assert (pane.regions is not None) == labelled
+            assert (CELL not in pane.render().plain.splitlines()[0]) == labelled
+            await pilot.press("f6")
+            await pilot.pause(0.1)
+            assert pane.regions is None and CELL in pane.render().plain.splitlines()[0]
+
+    run(body(WithAtlas(doc), True))
+    run(body(WithAtlas(None), False))  # no atlas: a notice, the blocks stay

@@ -19,7 +19,21 @@ from coli.atlas.document import ATLAS_FILE, ATLAS_FORMAT, ATLAS_VERSION, atlas_p
 from coli.atlas.measure import Recorder, measure, tokenize
 
 __all__ = ["ATLAS_FILE", "ATLAS_FORMAT", "ATLAS_VERSION", "DEFAULT_CORPUS", "Passage", "Recorder", "atlas_path",
-           "find_atlas", "load", "make", "model_info", "read_corpus", "save"]
+           "find_atlas", "load", "make", "model_info", "read_corpus", "region_grid", "save"]
+
+
+def region_grid(doc: dict):
+    """(rows, cols) int array of each expert's region index (-1: none) and the region names,
+    from an experts.json document (the TUI's routing pane labels cells with it)."""
+    import numpy as np
+
+    m = doc["model"]
+    grid = np.full((int(m["moe_layer_count"]), int(m["experts_per_layer"])), -1, np.int64)
+    for i, r in enumerate(doc["regions"]):
+        for layer, expert in r["experts"]:
+            if 0 <= layer < grid.shape[0] and 0 <= expert < grid.shape[1]:
+                grid[layer, expert] = i
+    return grid, [r["name"] for r in doc["regions"]]
 
 
 def model_info(model) -> dict:

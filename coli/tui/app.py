@@ -47,6 +47,7 @@ class ChatApp(App):
         Binding("f3", "toggle_profile", "Profile"),
         Binding("f4", "toggle_reasoning", "Reasoning"),
         Binding("f5", "next_slot", "Slot"),
+        Binding("f6", "toggle_regions", "Regions"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
         Binding("ctrl+d", "quit", "Quit", show=False),
     ]
@@ -349,6 +350,21 @@ class ChatApp(App):
     def action_toggle_reasoning(self) -> None:
         """Expand or collapse reasoning blocks."""
         self.show_reasoning = not self.show_reasoning
+
+    def action_toggle_regions(self) -> None:
+        """Label the routing pane's cells by expert-atlas region (coli atlas), or stop."""
+        pane = self.routing
+        if pane.regions is None:
+            doc = getattr(self.backend, "atlas", lambda: None)()
+            if not doc or not doc.get("regions"):
+                self.notify("This model has no expert atlas: make one with coli atlas --model DIR", timeout=4)
+                return
+            from coli.atlas import region_grid
+
+            pane.regions = region_grid(doc)
+        else:
+            pane.regions = None
+        pane.show_grid(pane.grid, force=True)
 
     def action_next_slot(self) -> None:
         """Switch to the next KV slot."""
