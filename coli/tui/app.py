@@ -29,7 +29,7 @@ HELP = """\
 `/slot N` switch KV slot · `/save FILE.md` or `/save FILE.json` export · `/help` · `/quit`
 
 **Keys**: Enter send · Up/Down history · Esc or Ctrl+C stop the answer · F2 routing pane · \
-F3 profiling pane · F4 expand reasoning · F5 next slot · Ctrl+Q quit"""
+F3 profiling pane · F4 expand reasoning · F5 next slot · F6 atlas regions · Ctrl+Q quit"""
 BATCH_SECONDS = 0.03  # a fast model's tokens reach the UI in batches, so the UI thread leaves the engine be
 POLL_SECONDS = 0.5  # how often a server's /experts is read
 NARROW = 110  # columns below which the panes go under the transcript
