@@ -60,6 +60,7 @@ describe('atlas', () => {
     for (const b of blobs) {
       expect(b.x - b.r).toBeGreaterThanOrEqual(0)
       expect(b.y + b.r).toBeLessThanOrEqual(400)
+      expect(Math.hypot((b.x - 300) / (300 - 4 - b.r), (b.y - 200) / (200 - 4 - b.r))).toBeLessThanOrEqual(1.0001) // in the ellipse
     }
     let overlaps = 0
     for (let i = 0; i < blobs.length; i++)

@@ -140,11 +140,12 @@ export interface Blob {
   r: number
 }
 
-/** Region circles on a w x h map: area by expert count, placed at the atlas's (x, y) and
- *  pushed apart until they do not overlap (a few relaxation rounds, deterministic). */
+/** Region circles on a w x h map: area by expert count, placed at the atlas's (x, y),
+ *  pushed apart until they do not overlap and kept inside the map's ellipse (relaxation
+ *  rounds, deterministic). */
 export function layoutRegions(regions: AtlasRegion[], w: number, h: number): Blob[] {
   const total = regions.reduce((s, r) => s + Math.max(1, r.experts.length), 0) || 1
-  const area = 0.42 * w * h // the share of the map the regions cover
+  const area = 0.36 * w * h // the part of the map the regions cover (the ellipse is 0.785)
   const blobs = regions.map((r) => ({
     id: r.id,
     x: r.x * w,
@@ -175,8 +176,17 @@ export function layoutRegions(regions: AtlasRegion[], w: number, h: number): Blo
         moved = true
       }
     for (const b of blobs) {
-      b.x = Math.min(w - b.r - 2, Math.max(b.r + 2, b.x))
-      b.y = Math.min(h - b.r - 2, Math.max(b.r + 2, b.y))
+      // inside the map's ellipse (the "cortex"), each circle whole
+      const ra = Math.max(1, w / 2 - 4 - b.r)
+      const rb = Math.max(1, h / 2 - 4 - b.r)
+      const u = (b.x - w / 2) / ra
+      const v = (b.y - h / 2) / rb
+      const d = Math.hypot(u, v)
+      if (d > 1) {
+        b.x = w / 2 + (u / d) * ra
+        b.y = h / 2 + (v / d) * rb
+        moved = true
+      }
     }
     if (!moved) break
   }

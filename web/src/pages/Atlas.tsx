@@ -65,7 +65,7 @@ function Cortex({ atlas, onEnter }: { atlas: Atlas; onEnter: (id: string) => voi
               {clip(r.name, Math.max(6, Math.floor((2 * b.r + 24) / 7)))}
             </text>
             <text x={b.x} y={b.y + 12} textAnchor="middle" className="sub">
-              {r.experts.length} experts
+              {r.experts.length} expert{r.experts.length === 1 ? '' : 's'}
             </text>
           </g>
         )
