@@ -310,3 +310,43 @@ def test_f6_toggles_region_labels_in_the_chat_app(doc):
 
     run(body(WithAtlas(doc), True))
     run(body(WithAtlas(None), False))  # no atlas: a notice, the blocks stay
+
+
+# -- --pin auto: the pinned hot set from the atlas -------------------------------------------------
+
+
+def test_pin_auto_seeds_the_pinned_set_from_the_atlas(tmp_path):
+    from coli.api import DEFAULT_MODEL_DIR
+    from coli.errors import InvalidRequestError
+    from coli.weights.convert import convert
+
+    conv = convert(DEFAULT_MODEL_DIR, tmp_path / "int4", "int4", force=True)
+    m = coli.load(conv, threads=1)
+    total = m.engine.weights.store.total_bytes
+    doc = A.make(m, A.read_corpus()[::7])
+    m.close()
+    budget = int(total * 0.6)
+    with pytest.raises(InvalidRequestError, match="coli atlas --model"):
+        coli.load(conv, threads=1, ram_budget=budget, pin="auto")
+    A.save(doc, A.atlas_path(conv, doc["model"]["fingerprint"]))
+    assert (conv / A.ATLAS_FILE).is_file()
+
+    def pinned(**load):
+        (conv / ".coli_usage").unlink(missing_ok=True)  # a fresh installation: nothing learned
+        m = coli.load(conv, threads=1, ram_budget=budget, **load)
+        try:
+            layers = list(m.engine.weights.store.layers.values())
+            return {(i, e) for i, s in enumerate(layers) for e in range(s.E)
+                    if s.slot_of[e] >= 0 and s.pinned[s.slot_of[e]]}
+        finally:
+            m.close()
+
+    assert pinned() == set()  # learned pinning has nothing to learn from yet
+    auto = pinned(pin="auto")
+    counts = {(l, e["expert"]): e["count"] for l, layer in enumerate(doc["layers"]) for e in layer["experts"]}
+    assert auto and max(counts, key=counts.get) in auto
+    for l in range(len(doc["layers"])):  # within a layer, the pinned experts are its most routed
+        mine = [counts[x] for x in auto if x[0] == l]
+        others = [c for (ll, e), c in counts.items() if ll == l and (ll, e) not in auto]
+        if mine and others:
+            assert min(mine) >= max(others)

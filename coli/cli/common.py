@@ -42,7 +42,8 @@ RamBudgetOpt = Annotated[Optional[str], typer.Option(
     help="RAM for experts of a converted model, e.g. 2G. Below their size, experts stream from disk. "
          "Default: what is available.")]
 PinOpt = Annotated[Optional[str], typer.Option(
-    "--pin", help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
+    "--pin", help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half. "
+                  "auto: half, the hot set ranked by the model's expert atlas (coli atlas) as well.")]
 
 
 CtxOpt = Annotated[Optional[int], typer.Option(
