@@ -28,6 +28,7 @@ import numpy as np
 from coli.atlas.corpus import Passage
 from coli.errors import InvalidRequestError
 
+MAX_PASSAGES_PER_STEP = 32  # each holds a KV cache for the step: bounded memory on deep models
 GATE_LEVELS = 65535  # gate weights quantized to 16 bits inside the "best occurrence" code
 POS_BITS, PASSAGE_BITS = 16, 24
 
@@ -195,7 +196,8 @@ def measure(model, passages: list[Passage], token_ids: list[list[int]], recorder
         i = recorder.passages_done
         while i < len(passages):
             batch, n = [], 0
-            while i < len(passages) and (not batch or n + len(token_ids[i]) <= batch_tokens):
+            while i < len(passages) and (not batch or (n + len(token_ids[i]) <= batch_tokens
+                                                         and len(batch) < MAX_PASSAGES_PER_STEP)):
                 if token_ids[i]:
                     batch.append(i)
                     n += len(token_ids[i])
