@@ -64,7 +64,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     and buffers (see coli.plan). Converted directories only: ``ram_budget`` caps the RAM for
     experts alone (default: what is available, or what a cgroup limit leaves); below the experts' size they are streamed
     from disk through per-layer caches with a ``pin`` ("512M") hot set learned from
-    .coli_usage. ``io`` "direct" (default: bypass the page cache) or "buffered";
+    .coli_usage (``pin="auto"``: half the budget, ranked by the model's expert atlas too). ``io`` "direct" (default: bypass the page cache) or "buffered";
     ``prefetch`` reads the next layer's likely experts while a layer computes (off by
     default: on a disk-bound run its wrong guesses cost more reads than it saves; see
     BENCHMARKS.md)."""
@@ -89,8 +89,14 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     if is_gguf(model_dir):
         pass
     elif is_converted(model_dir):
-        weights = ConvertedWeights(model_dir, quant, head_quant, dict(
-            ram_budget=experts_budget, pin=_size(pin, "pin"), io=io, prefetch=prefetch))
+        store = dict(ram_budget=experts_budget, io=io, prefetch=prefetch)
+        if pin == "auto":  # the hot set ranked by the expert atlas too (coli atlas)
+            from coli.atlas.pinning import pin_prior
+
+            store.update(pin=None, pin_prior=pin_prior(model_dir))
+        else:
+            store["pin"] = _size(pin, "pin")
+        weights = ConvertedWeights(model_dir, quant, head_quant, store)
     else:
         if ram_budget is not None or process_budget is not None or pin is not None:
             raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "

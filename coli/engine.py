@@ -131,6 +131,7 @@ class StepStats:
     experts_hit: int = 0  # resident, or already being read by a prefetch
     bytes_read: int = 0
     routed: list[np.ndarray] = field(default_factory=list)  # per MoE layer: (M, k) expert ids
+    gates: list[np.ndarray] = field(default_factory=list)  # per MoE layer: (M, k) their gate weights
 
     @property
     def other(self) -> float:
@@ -145,7 +146,7 @@ class StepStats:
         for f in ("tokens", "seconds", "attention", "expert_matmul", "dense_mlp", "lm_head", "io_wait", "disk",
                   "experts_needed", "experts_hit", "bytes_read"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
-        self.routed = o.routed
+        self.routed, self.gates = o.routed, o.gates
         return self
 
 
@@ -208,7 +209,7 @@ class Engine:
             experts_needed=io1.needed - io0.needed if io1 else 0,
             experts_hit=(io1.hits + io1.prefetch_hits - io0.hits - io0.prefetch_hits) if io1 else 0,
             bytes_read=io1.bytes_read - io0.bytes_read if io1 else 0,
-            routed=[m.last for m in self.model.moe_layers])
+            routed=[m.last for m in self.model.moe_layers], gates=[m.last_weights for m in self.model.moe_layers])
         if not io1:  # resident experts: every needed expert is a hit
             need = sum(m.used for m in self.model.moe_layers)
             self.last.experts_needed = self.last.experts_hit = need

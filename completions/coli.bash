@@ -6,10 +6,18 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli decide"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli atlas"|"coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
+        "coli atlas --model"|"coli atlas -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --corpus"|"coli atlas -c") COMPREPLY=(); return ;;
+        "coli atlas --out"|"coli atlas -o") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --regions") COMPREPLY=(); return ;;
+        "coli atlas --max-tokens") COMPREPLY=(); return ;;
+        "coli atlas --batch-tokens") COMPREPLY=(); return ;;
+        "coli atlas --threads"|"coli atlas -t") COMPREPLY=(); return ;;
+        "coli atlas --quant"|"coli atlas -q") COMPREPLY=(); return ;;
         "coli bench --model"|"coli bench -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli bench --synthetic") COMPREPLY=(); return ;;
         "coli bench --quant"|"coli bench -q") COMPREPLY=(); return ;;
@@ -43,18 +51,6 @@ _coli() {
         "coli cluster status --api-key") COMPREPLY=(); return ;;
         "coli convert --quant"|"coli convert -q") COMPREPLY=(); return ;;
         "coli convert --head-quant") COMPREPLY=(); return ;;
-        "coli decide --noul"|"coli decide -y") COMPREPLY=(); return ;;
-        "coli decide --choice"|"coli decide -c") COMPREPLY=(); return ;;
-        "coli decide --score"|"coli decide -S") COMPREPLY=(); return ;;
-        "coli decide --questions"|"coli decide -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        "coli decide --state") COMPREPLY=(); return ;;
-        "coli decide --threshold") COMPREPLY=(); return ;;
-        "coli decide --url") COMPREPLY=(); return ;;
-        "coli decide --api-key") COMPREPLY=(); return ;;
-        "coli decide --model"|"coli decide -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        "coli decide --threads"|"coli decide -t") COMPREPLY=(); return ;;
-        "coli decide --quant"|"coli decide -q") COMPREPLY=(); return ;;
-        "coli decide --ctx") COMPREPLY=(); return ;;
         "coli kv inspect --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli kv inspect --model"|"coli kv inspect -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --model"|"coli run -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -117,13 +113,13 @@ _coli() {
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert decide kv run serve web"; files=0 ;;
+        "coli") words="--version atlas bench chat cluster convert kv run serve web"; files=0 ;;
+        "coli atlas") words="--model -m --corpus -c --out -o --regions --max-tokens --batch-tokens --restart --threads -t --quant -q"; files=0 ;;
         "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
-        "coli decide") words="--noul -y --choice -c --score -S --questions -f --state --threshold --json --table --url --api-key --model -m --threads -t --quant -q --ctx"; files=0 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
         "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;

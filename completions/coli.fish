@@ -2,6 +2,7 @@
 # Install: copy it to ~/.config/fish/completions/coli.fish
 
 complete -c coli -f
+complete -c coli -n '__fish_use_subcommand' -a atlas -d 'Map the experts: run a corpus through the model (prefill only) and write experts.json'
 complete -c coli -n '__fish_use_subcommand' -a bench -d 'Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS'
 complete -c coli -n '__fish_use_subcommand' -a chat -d 'Chat with a model (the built-in one by default)'
 complete -c coli -n '__fish_use_subcommand' -a cluster -d 'Cluster mode on Ray: workers, their load, cached prefixes and health'
@@ -12,6 +13,15 @@ complete -c coli -n '__fish_use_subcommand' -a run -d 'Answer one prompt and str
 complete -c coli -n '__fish_use_subcommand' -a serve -d 'Serve a model over an OpenAI- and Anthropic-compatible HTTP API'
 complete -c coli -n '__fish_use_subcommand' -a web -d 'Serve the model and open the web dashboard (Chat, Brio, Brain, Profiling) in a browser'
 complete -c coli -n '__fish_use_subcommand' -l version -d 'Print the version and exit'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l model -s m -r -F -d 'Model directory (Hugging Face format)'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l corpus -s c -x -d 'Text to measure with: a .jsonl file ({"text", "category"} per line), a text file (blank-line passages, category = file name), a directory (category = sub-directory or file name), or - for stdin'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l out -s o -r -F -d 'Where to write experts.json; - prints it'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l regions -x -d 'How many regions to group the experts into'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l max-tokens -x -d 'Tokens read from each passage (the rest is cut)'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l batch-tokens -x -d 'Tokens per forward pass (several passages in one batch)'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l restart -d 'Ignore a partial run of the same corpus and start over'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l threads -s t -x -d 'Compute threads'
+complete -c coli -n '__fish_seen_subcommand_from atlas' -l quant -s q -x -d 'Weight format: f32, bf16, int8 or int4'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l model -s m -r -F -d 'Model directory (Hugging Face format)'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l synthetic -x -d 'Benchmark a seeded random-weight model instead: tiny, olmoe-mini, olmoe-1b-7b'
 complete -c coli -n '__fish_seen_subcommand_from bench' -l quant -s q -x -d 'f32, bf16, int8 or int4'

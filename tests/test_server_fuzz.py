@@ -55,7 +55,7 @@ POSITIVE = [not_a_server_error, status_code_conformance, content_type_conformanc
 NEGATIVE = [not_a_server_error, status_code_conformance, content_type_conformance, negative_data_rejection]
 OPERATIONS = ["GET /v1/models", "GET /v1/models/{model}", "POST /v1/chat/completions", "POST /v1/completions",
               "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/brio", "POST /v1/systemone", "POST /tokenize",
-              "POST /detokenize", "GET /health", "GET /metrics", "GET /experts", "GET /profile",
+              "POST /detokenize", "GET /health", "GET /metrics", "GET /experts", "GET /experts/atlas", "GET /profile",
               "GET /openapi.json", "POST /v1/responses", "GET /v1/responses/{id}", "DELETE /v1/responses/{id}",
               "POST /v1/responses/{id}/cancel", "GET /v1/responses/{id}/input_items"]
 

@@ -146,7 +146,8 @@ def test_dashboard_in_headless_chromium():
         run = subprocess.run(["node", "e2e/e2e.mjs"], cwd=WEB, env=env, capture_output=True, text=True, timeout=600)
         print(run.stdout)
         assert run.returncode == 0, run.stdout + run.stderr + "\nserver:\n" + "".join(plain.lines[-20:])
-        for name in ("chat", "brio", "brain-live", "brain-explore", "profiling", "phone-chat", "api-key"):
+        for name in ("chat", "brio", "brain-live", "brain-explore", "brain-atlas", "brain-region", "profiling",
+                     "phone-chat", "api-key"):
             assert (OUT / f"{name}.png").stat().st_size > 1000, name
         assert other.bodies and all("cache_slot" not in b for b in other.bodies), other.bodies
     finally:

@@ -45,7 +45,8 @@ RamBudgetOpt = Annotated[Optional[str], typer.Option(
     help="Memory for the whole process, e.g. 2G: weights, KV cache and buffers; a converted MoE model streams "
          "the experts that do not fit from disk. Default: what is available (a cgroup limit included).")]
 PinOpt = Annotated[Optional[str], typer.Option(
-    "--pin", envvar="COLI_PIN", show_envvar=True, help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half.")]
+    "--pin", envvar="COLI_PIN", show_envvar=True, help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half. "
+                  "auto: half, the hot set ranked by the model's expert atlas (coli atlas) as well.")]
 
 
 CtxOpt = Annotated[Optional[int], typer.Option(

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 import coli
+from coli.cli.atlas import atlas
 from coli.cli.bench import bench
 from coli.cli.chat import chat
 from coli.cli.cluster import app as cluster_app
@@ -42,6 +43,7 @@ app.command()(rm)
 app.command()(ps)
 app.command()(plan)
 app.command()(decide)
+app.command()(atlas)
 app.add_typer(kv_app, name="kv")
 app.add_typer(cluster_app, name="cluster")
 

@@ -68,7 +68,8 @@ class ExpertStore:
     """All experts of one converted model: residency policy, the file, I/O and stats."""
 
     def __init__(self, model_dir: Path, manifest: dict, *, ram_budget: int | None = None, pin: int | None = None,
-                 io: str = "direct", verify: bool = True, prefetch: bool = False):
+                 io: str = "direct", verify: bool = True, prefetch: bool = False,
+                 pin_prior: list[np.ndarray] | None = None):
         ex = manifest["experts"]
         self.dir, self.manifest = model_dir, manifest
         self.path = model_dir / ex["file"]
@@ -87,6 +88,7 @@ class ExpertStore:
         self.usage = Usage(state_dir(model_dir, fp) / USAGE_FILE, fp,
                            {name: info["count"] for name, info in self.layers_info.items()})
         self.pin_bytes = (ram_budget // 2 if pin is None else pin) if not self.resident else 0
+        self.pin_prior = pin_prior  # per MoE layer: routing counts from the expert atlas (--pin auto)
         self._all: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         if self.resident:
@@ -177,14 +179,29 @@ class ExpertStore:
         if self.resident or not self.pin_bytes:
             return
         streamed = [(n, s) for n, s in self.layers.items() if isinstance(s, StreamedExperts)]
-        ranked = sorted(((int(c), name, e) for name, s in streamed for e, c in enumerate(s.counts) if c > 0),
-                        reverse=True)
+        score = self._pin_scores(streamed)
+        ranked = sorted(((score[name][e], name, e) for name, s in streamed for e in range(len(s.counts))
+                         if score[name][e] > 0), reverse=True)
         budget = self.pin_bytes
         for _, name, e in ranked:
             if budget < self.stride:
                 break
             if self.layers[name].pin(e):
                 budget -= self.stride
+
+    def _pin_scores(self, streamed) -> dict[str, np.ndarray]:
+        """Per layer: each expert's share of the routings in .coli_usage, plus its share in the
+        expert atlas with --pin auto (coli.atlas.pinning)."""
+        used = sum(int(s.counts.sum()) for _, s in streamed)
+        score = {name: s.counts / used if used else np.zeros(len(s.counts)) for name, s in streamed}
+        if self.pin_prior is not None:
+            order = list(self.layers)
+            total = sum(float(np.sum(p)) for p in self.pin_prior) or 1.0
+            for name, s in streamed:
+                i = order.index(name)
+                if i < len(self.pin_prior) and len(self.pin_prior[i]) == len(s.counts):
+                    score[name] = score[name] + np.asarray(self.pin_prior[i], np.float64) / total
+        return score
 
     def resident_bytes(self) -> dict[str, int]:
         if self.resident:

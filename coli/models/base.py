@@ -239,6 +239,7 @@ class MoE:
         self.next: MoE | None = None  # the next MoE layer, whose experts this one prefetches
         self.counts = self.experts.counts  # (E,) tokens routed to each expert (heat), with history if stored
         self.last = np.zeros((0, self.k), dtype=np.int32)  # experts routed in the latest step
+        self.last_weights = np.zeros((0, self.k), dtype=np.float32)  # and their gate weights (coli atlas)
         self.used = 0  # distinct experts routed in the latest step
         # router logits (M, E), routed experts and their weights (M, k)
         self.bufs = (("router", E, np.float32), ("moe_idx", self.k, np.int32), ("moe_w", self.k, np.float32))
@@ -262,6 +263,7 @@ class MoE:
             self.used = K.moe_experts(x, idx, wts, self.table, out, scratch, self.counts, self.act, active,
                                       i == len(groups) - 1)
         self.last = idx.copy()
+        self.last_weights = wts.copy()
         if self.shared is not None:
             extra = rs.get("shared_out", M, self.H)  # (M, H)
             self.shared(x, rs, extra)

@@ -14,7 +14,7 @@ import threading
 
 from aiohttp import web
 
-from coli.server import access_log, anthropic, brio, completions, dashboard, openai, responses, systemone
+from coli.server import access_log, anthropic, atlas, brio, completions, dashboard, openai, responses, systemone
 from coli.server.connections import ConnectionGuard, raise_file_limit
 from coli.server.openapi import document
 from coli.server.security import Guard
@@ -47,6 +47,7 @@ def build_app(server: Server) -> web.Application:
         web.post("/detokenize", completions.detokenize), web.get("/health", t.health),
         web.get("/metrics", t.prometheus),
         web.get("/experts", t.experts), web.get("/profile", t.profile), web.get("/openapi.json", _openapi),
+        web.get("/experts/atlas", atlas.atlas),
     ])
     responses.add_routes(app)  # POST /v1/responses and the stored responses (server/responses.py)
     dashboard.mount(app)  # the web dashboard's files (coli web), public like /health

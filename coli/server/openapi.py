@@ -347,6 +347,12 @@ def document(server) -> dict:
             "/metrics": {"get": _op("Prometheus metrics (colibri_scheduler_*, colibri_server_*)", None,
                                     ok_schema={"type": "string"}, ok_type="text/plain")},
             "/experts": {"get": _op("Expert grid: tier and routing heat of every expert", "Experts")},
+            "/experts/atlas": {"get": _op("The expert atlas made by coli atlas (experts.json, docs/ATLAS.md); "
+                                          "404 atlas_not_found when there is none", None,
+                                          ok_schema=_obj({"format": {"const": "coli-atlas"}, "version": INT,
+                                                          "model": {"type": "object"},
+                                                          "regions": {"type": "array"}, "layers": {"type": "array"}},
+                                                         ("format", "version", "model", "regions", "layers")))},
             "/profile": {"get": _op("Recent turns: time by phase, tokens, forward passes", "Profile")},
             "/openapi.json": {"get": _op("This document", None, ok_schema={"type": "object"})},
         },

@@ -29,7 +29,7 @@ HELP = """\
 `/slot N` switch KV slot · `/save FILE.md` or `/save FILE.json` export · `/help` · `/quit`
 
 **Keys**: Enter send · Up/Down history · Esc or Ctrl+C stop the answer · F2 routing pane · \
-F3 profiling pane · F4 expand reasoning · F5 next slot · Ctrl+Q quit"""
+F3 profiling pane · F4 expand reasoning · F5 next slot · F6 atlas regions · Ctrl+Q quit"""
 BATCH_SECONDS = 0.03  # a fast model's tokens reach the UI in batches, so the UI thread leaves the engine be
 POLL_SECONDS = 0.5  # how often a server's /experts is read
 NARROW = 110  # columns below which the panes go under the transcript
@@ -47,6 +47,7 @@ class ChatApp(App):
         Binding("f3", "toggle_profile", "Profile"),
         Binding("f4", "toggle_reasoning", "Reasoning"),
         Binding("f5", "next_slot", "Slot"),
+        Binding("f6", "toggle_regions", "Regions"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
         Binding("ctrl+d", "quit", "Quit", show=False, priority=True),  # before the text box's delete-right
     ]
@@ -349,6 +350,21 @@ class ChatApp(App):
     def action_toggle_reasoning(self) -> None:
         """Expand or collapse reasoning blocks."""
         self.show_reasoning = not self.show_reasoning
+
+    def action_toggle_regions(self) -> None:
+        """Label the routing pane's cells by expert-atlas region (coli atlas), or stop."""
+        pane = self.routing
+        if pane.regions is None:
+            doc = getattr(self.backend, "atlas", lambda: None)()
+            if not doc or not doc.get("regions"):
+                self.notify("This model has no expert atlas: make one with coli atlas --model DIR", timeout=4)
+                return
+            from coli.atlas import region_grid
+
+            pane.regions = region_grid(doc)
+        else:
+            pane.regions = None
+        pane.show_grid(pane.grid, force=True)
 
     def action_next_slot(self) -> None:
         """Switch to the next KV slot."""

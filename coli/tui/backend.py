@@ -99,6 +99,13 @@ class LocalBackend:
             return None
         return grid_from_engine(engine, self.runner.steps)
 
+    def atlas(self) -> dict | None:
+        """The model's expert atlas (experts.json from `coli atlas`), or None."""
+        from coli.atlas import find_atlas
+        from coli.kv.store import model_fingerprint
+
+        return find_atlas(self.model.path, model_fingerprint(self.model.path))[0]
+
     def close(self) -> None:
         self.runner.close()
         self.model.close()
@@ -235,6 +242,13 @@ class RemoteBackend:
         body = self._json("GET", "/experts")
         g = decode(body)
         return None if g.empty else g
+
+    def atlas(self) -> dict | None:
+        """The server's expert atlas (GET /experts/atlas), or None when it has none."""
+        try:
+            return self._json("GET", "/experts/atlas")
+        except Exception:  # 404 atlas_not_found, or an older server
+            return None
 
     def close(self) -> None:
         self.cancel()

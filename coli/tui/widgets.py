@@ -24,9 +24,17 @@ HALF = "▀"  # two layers in one character: the upper in the foreground, the lo
 LEGEND = "  ".join(f"[#%02x%02x%02x]{CELL}[/] {TIER_NAMES[t]}" % TIER_RGB[t] for t in (TIER_PINNED, TIER_RAM, TIER_DISK))
 
 
-def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40, max_lines: int | None = None) -> Text:
+REGION_MARKS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40, max_lines: int | None = None,
+                   regions=None) -> Text:
     """One row of cells per MoE layer, wrapped when the experts outnumber the width. When
-    that is more than ``max_lines`` rows, two layers share a row (half blocks)."""
+    that is more than ``max_lines`` rows, two layers share a row (half blocks).
+
+    ``regions`` ((rows, cols) region index per expert, -1 for none; region names), from
+    the expert atlas: each cell shows its region's mark instead of a block (the upper
+    layer's where two layers share a row), and a legend of the marks follows."""
     if grid is None or grid.empty:
         return Text(NO_EXPERTS, style="italic")
     rows, cols = grid.shape
@@ -35,19 +43,36 @@ def render_routing(grid: ExpertGrid | None, flash=None, width: int = 40, max_lin
     wraps = -(-cols // per_line)
     half = max_lines is not None and rows * wraps > max_lines and rows > 1
     colors = cell_colors(grid, flash)
+    marks = None
+    if regions is not None and regions[0].shape == (rows, cols):
+        marks = regions[0]
     out = Text(no_wrap=True)
     for r in range(0, rows, 2 if half else 1):
         for start in range(0, cols, per_line):
             out.append((f"L{r}" if start == 0 else "").ljust(label), style="dim")
             for c in range(start, min(cols, start + per_line)):
+                ch = CELL if marks is None else _mark(marks[r, c])
                 if not half:
-                    out.append(CELL, style=colors[r][c])
+                    out.append(ch, style=colors[r][c])
                 else:
                     below = f" on {colors[r + 1][c]}" if r + 1 < rows else ""
-                    out.append(HALF, style=colors[r][c] + below)
+                    out.append(HALF if marks is None else ch, style=colors[r][c] + below)
             out.append("\n")
+    if marks is not None:
+        used = 0
+        for i, name in enumerate(regions[1][: len(REGION_MARKS)]):
+            item = f"{REGION_MARKS[i]} {name}"
+            if used and used + len(item) + 2 > width:
+                out.append("\n")
+                used = 0
+            out.append(("  " if used else "") + item, style="dim")
+            used += len(item) + (2 if used else 0)
     out.rstrip()
     return out
+
+
+def _mark(i: int) -> str:
+    return REGION_MARKS[i] if 0 <= i < len(REGION_MARKS) else "·"
 
 
 SHORT = {"io_wait": "I/O", "expert_matmul": "matmul", "attention": "attn", "lm_head": "head", "other": "other"}
@@ -101,6 +126,7 @@ class RoutingPane(Widget):
         self.tooltip = "One cell per expert per MoE layer. Colour: where it lives. Bright: often routed. " \
                        "White: routed in the latest step."
         self.max_lines: int | None = None  # rows the pane may take (set by the app's layout)
+        self.regions = None  # (region index per expert, names) from the atlas, while labels are on
         self._text = render_routing(None)
         self._drawn = None  # what the screen shows: (seq, flash sum, heat sum, tiers), width, max_lines
 
@@ -114,12 +140,12 @@ class RoutingPane(Widget):
             self.flash.update(grid, idle_decay)
         width = max(10, self.content_size.width or 40)
         key = None if grid is None else (grid.seq, float(self.flash.value.sum()), int(grid.heat.sum()),
-                                         grid.tiers.tobytes())
+                                         grid.tiers.tobytes(), self.regions is not None)
         if not force and self._drawn == (key, width, self.max_lines):
             return
         lines = len(self._text.plain.splitlines())
         self._drawn = (key, width, self.max_lines)
-        self._text = render_routing(grid, self.flash.value, width, self.max_lines)
+        self._text = render_routing(grid, self.flash.value, width, self.max_lines, self.regions)
         # a colour change repaints the pane; only a change of its height lays the screen out again
         self.refresh(layout=len(self._text.plain.splitlines()) != lines)
 

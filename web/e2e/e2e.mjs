@@ -186,6 +186,8 @@ try {
   await page.getByTestId('atlas').waitFor({ timeout: 10000 })
   const n = Number(await page.getByTestId('atlas-canvas').getAttribute('data-n'))
   check(n === experts.cols, `Explore: a ${n}x${n} co-activation map`)
+  await page.getByTestId('cortex').waitFor({ timeout: 10000 }) // the expert atlas above it is in place
+  await page.getByTestId('atlas-canvas').scrollIntoViewIfNeeded()
   const box = await page.getByTestId('atlas-canvas').boundingBox()
   const cellPx = (box.width - 22) / n
   await page.mouse.move(box.x + 22 + cellPx * 1.5, box.y + 22 + cellPx * 0.5) // row 0, column 1
@@ -195,6 +197,47 @@ try {
   const prompts = await page.getByTestId('prompt-row').count()
   check(prompts >= 1, `Explore: the experts of ${prompts} recent prompt(s)`)
   await shot(page, 'brain-explore.png')
+
+  // Explore: the expert atlas (the built-in model ships one): a map of regions, enter one,
+  // an expert's tokens and contexts, search by word, the address survives a reload.
+  const atlasDoc = await (await fetch(`${URL}/experts/atlas`)).json()
+  await page.getByTestId('cortex').waitFor({ timeout: 10000 })
+  const blobs = await page.getByTestId('region-blob').count()
+  check(blobs === atlasDoc.regions.length && blobs > 1, `Explore: the atlas map draws ${blobs} regions`)
+  await page.evaluate(() => document.querySelectorAll('main, .content').forEach((e) => (e.scrollTop = 0)))
+  await shot(page, 'brain-atlas.png')
+  const region = atlasDoc.regions[0]
+  await page.locator(`[data-testid=region-blob][data-region="${region.id}"]`).click()
+  await page.getByTestId('region-view').waitFor()
+  check((await page.evaluate(() => location.hash)) === `#brain/explore/${region.id}`, `entering a region sets the address (#brain/explore/${region.id})`)
+  const chips = await page.getByTestId('region-expert').count()
+  check(chips === region.experts.length, `the region lists its ${chips} experts`)
+  await page.getByTestId('region-expert').first().click()
+  await page.getByTestId('expert-detail').waitFor()
+  const detail = await page.getByTestId('expert-detail').textContent()
+  const [l0, e0] = region.experts[0]
+  check(detail.includes(`layer ${l0} · expert ${e0}`) && /Top tokens/.test(detail), `an expert's tokens: ${detail.slice(0, 60)}`)
+  check((await page.getByTestId('examples').locator('mark').count()) > 0, 'and example contexts, its token marked')
+  await shot(page, 'brain-region.png')
+  await page.reload()
+  await page.getByTestId('region-view').waitFor({ timeout: 15000 })
+  check((await page.getByTestId('region-name').textContent()) === region.name && (await page.getByTestId('expert-detail').count()) === 1,
+    'a reload shows the same region and expert')
+  // search: a word one of the experts fires for
+  const word = atlasDoc.layers.flatMap((L) => L.experts.flatMap((e) => e.top_tokens.map((t) => t.token.trim()))).find((w) => /^[a-z]{3,}$/i.test(w))
+  await page.getByTestId('atlas-search').fill(word)
+  await page.getByTestId('search-hit').first().waitFor()
+  const hit = await page.getByTestId('search-hit').first().textContent()
+  check(/layer \d+ · expert \d+/.test(hit), `search: "${word}" fires ${hit}`)
+  await page.getByTestId('search-hit').first().click()
+  await page.getByTestId('expert-detail').filter({ hasText: hit }).waitFor()
+  check(true, 'a hit opens that expert')
+  await page.getByTestId('show-live').click()
+  await page.locator('[data-testid=expert-cell].selected').waitFor({ timeout: 10000 })
+  const [, hl, he] = /layer (\d+) · expert (\d+)/.exec(hit)
+  const sel = Number(await page.locator('[data-testid=expert-cell].selected').getAttribute('data-i'))
+  check(sel === Number(hl) * experts.cols + Number(he) && (await page.evaluate(() => location.hash)) === `#brain/live/L${hl}E${he}`,
+    'and "See it in Live routing" marks its cell in the grid')
 
   // Profiling: the turn's bars by phase, and the trend.
   await page.getByTestId('dock-profiling').click()

@@ -5,6 +5,7 @@ import { Brio } from './pages/Brio'
 import { Brain } from './pages/Brain'
 import { Profiling } from './pages/Profiling'
 import { Icon } from './icons'
+import { useRoute } from './route'
 
 const PAGES = [
   { id: 'chat', label: 'Chat' },
@@ -26,9 +27,8 @@ function initialTheme(): Theme {
   return window.matchMedia?.('(prefers-color-scheme: dark)').matches ? 'dark' : 'light'
 }
 
-function initialPage(): PageId {
-  const h = location.hash.replace('#', '')
-  return (PAGES.find((p) => p.id === h)?.id ?? 'chat') as PageId
+function pageOf(route: string[]): PageId | null {
+  return (PAGES.find((p) => p.id === route[0])?.id ?? null) as PageId | null
 }
 
 function SettingsDialog({ onClose }: { onClose: () => void }) {
@@ -97,7 +97,9 @@ function SettingsDialog({ onClose }: { onClose: () => void }) {
 
 export function App() {
   const store = useStore()
-  const [page, setPage] = useState<PageId>(initialPage)
+  const [route, go] = useRoute() // '#page[/view/...]': a view can be linked and reloaded
+  const page: PageId = pageOf(route) ?? 'chat'
+  const setPage = (p: PageId) => go([p])
   const [theme, setTheme] = useState<Theme>(initialTheme)
   const [showSettings, setShowSettings] = useState(false)
 
@@ -111,8 +113,8 @@ export function App() {
   }, [theme])
 
   useEffect(() => {
-    if (location.hash !== `#${page}`) history.replaceState(null, '', `#${page}`)
-  }, [page])
+    if (!pageOf(route)) go(['chat'], true)
+  }, [route, go])
 
   useEffect(() => {
     if (store.needKey) setShowSettings(true)

@@ -4,6 +4,9 @@ import { useStore } from '../store'
 import { brightness, heatMinCount, jaccard, partners, TIER_NAMES, tierCounts } from '../transforms'
 import type { CoActivation, ExpertGrid } from '../transforms'
 import type { Activity } from '../store'
+import { parseExpertKey } from '../atlas'
+import { useRoute } from '../route'
+import { AtlasExplore, NoAtlas, useAtlas } from './Atlas'
 
 const TIER_CLASS = ['t-disk', 't-ram', 't-pinned', 't-other']
 
@@ -23,12 +26,13 @@ function cellInfo(g: ExpertGrid, co: CoActivation | null, i: number) {
   }
 }
 
-function Live({ g }: { g: ExpertGrid }) {
+function Live({ g, selected }: { g: ExpertGrid; selected: number | null }) {
   const { co } = useStore()
   const [focus, setFocus] = useState<number | null>(null)
   const counts = tierCounts(g)
   const flash = g.seq % 2 ? 'flash-a' : 'flash-b'
-  const info = focus !== null && focus < g.rows * g.cols ? cellInfo(g, co, focus) : null
+  const shown = focus ?? selected // hovered, else the expert the address names (from Explore)
+  const info = shown !== null && shown < g.rows * g.cols ? cellInfo(g, co, shown) : null
 
   function onKey(e: KeyboardEvent) {
     const n = g.rows * g.cols
@@ -59,7 +63,7 @@ function Live({ g }: { g: ExpertGrid }) {
         data-testid="expert-cell"
         data-tier={TIER_NAMES[g.tier[i]]}
         data-routed={routed ? 1 : 0}
-        className={`cell ${TIER_CLASS[g.tier[i]]}${routed ? ` routed ${flash}` : ''}${focus === i ? ' focused' : ''}`}
+        className={`cell ${TIER_CLASS[g.tier[i]]}${routed ? ` routed ${flash}` : ''}${focus === i ? ' focused' : ''}${selected === i ? ' selected' : ''}`}
         style={{ opacity: brightness(g.heat[i], g.maxHeat) }}
       />,
     )
@@ -234,7 +238,7 @@ function AtlasCanvas(props: {
   )
 }
 
-function Explore({ g }: { g: ExpertGrid }) {
+function CoActivation({ g }: { g: ExpertGrid }) {
   const { co, coVersion, resetHistory, activities } = useStore()
   const [layer, setLayer] = useState(0)
   const [zoom, setZoom] = useState(1)
@@ -274,6 +278,7 @@ function Explore({ g }: { g: ExpertGrid }) {
       : null
   return (
     <div className="explore">
+      <h2>Co-activation in this session</h2>
       <p className="hint">
         Which experts fire together. The server exposes only the latest step's routed experts, so this atlas is
         built here, in the browser, from every /experts snapshot seen since the page opened ({valid?.steps ?? 0}{' '}
@@ -338,9 +343,25 @@ function Explore({ g }: { g: ExpertGrid }) {
   )
 }
 
+function Explore({ g, route, go }: { g: ExpertGrid; route: string[]; go: (p: string[]) => void }) {
+  const load = useAtlas(true)
+  return (
+    <>
+      {load.state === 'loading' && <p className="hint">Loading the expert atlas…</p>}
+      {load.state === 'none' && <NoAtlas message={load.message} />}
+      {load.state === 'error' && <p className="notice">The expert atlas could not be read: {load.message}</p>}
+      {load.state === 'ok' && <AtlasExplore atlas={load.atlas} region={route[2]} sel={parseExpertKey(route[3])} go={go} />}
+      <CoActivation g={g} />
+    </>
+  )
+}
+
 export function Brain() {
   const { grid, coli } = useStore()
-  const [view, setView] = useState<'live' | 'explore'>('live')
+  const [route, go] = useRoute() // #brain/live[/L3E17] · #brain/explore[/<region>[/L3E17]]
+  const view: 'live' | 'explore' = route[0] === 'brain' && route[1] === 'explore' ? 'explore' : 'live'
+  const setView = (v: 'live' | 'explore') => go(['brain', v])
+  const sel = route[1] === 'live' ? parseExpertKey(route[2]) : null
   return (
     <section className="page brain" aria-label="Brain">
       <div className="tabs" role="tablist">
@@ -358,9 +379,9 @@ export function Brain() {
       ) : grid.rows === 0 ? (
         <p className="hint">This model has no MoE layers.</p>
       ) : view === 'live' ? (
-        <Live g={grid} />
+        <Live g={grid} selected={sel && sel[0] < grid.rows && sel[1] < grid.cols ? sel[0] * grid.cols + sel[1] : null} />
       ) : (
-        <Explore g={grid} />
+        <Explore g={grid} route={route} go={go} />
       )}
     </section>
   )
