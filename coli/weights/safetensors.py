@@ -158,6 +158,8 @@ class Checkpoint:
         if not files:
             raise ModelLoadError(f"{self.dir}: no *.safetensors weights found (PyTorch .bin checkpoints are not supported)")
         self.files = [SafetensorsFile(p) for p in files]
+        self.on_read = None  # progress(done, total): called as tensors are read (coli.load's progress)
+        self._read: set[str] = set()
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for name in f.names():
@@ -191,6 +193,9 @@ class Checkpoint:
         if dt not in ("F32", "F16", "BF16", "F64"):
             raise ModelLoadError(f"{f.path}: tensor {name!r} is {dt}, expected a floating-point tensor")
         arr = np.ascontiguousarray(to_f32(f.raw(name), dt))
+        if self.on_read is not None and name not in self._read:
+            self._read.add(name)
+            self.on_read(len(self._read), len(self._where))
         if dt != "F32":  # a widened copy: the source pages are not needed any more
             f.release(name)
         return arr
