@@ -114,3 +114,23 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit(chat_model_dir):
     finally:
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(WAIT) == 0, served.stderr
+
+
+def test_a_second_signal_exits_at_once(chat_model_dir):
+    served = Served("--model", str(chat_model_dir), "--no-kv-persist", "--max-body", "16M")
+    try:
+        body = json.dumps({"prompt": "hello " * 1_000_000}).encode()  # seconds of tokenizing: a handler in flight
+        sock = socket.create_connection((served.host, served.port), timeout=WAIT)
+        sock.sendall(f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)  # the body is in; the graceful stop will wait for its handler
+        served.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        served.proc.send_signal(signal.SIGINT)
+        code = served.proc.wait(WAIT)
+        sock.close()
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+    time.sleep(0.2)  # the reader thread drains stderr
+    assert code == 130 and "stopped at once" in served.stderr and "Traceback" not in served.stderr, served.stderr
