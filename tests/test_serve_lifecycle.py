@@ -134,3 +134,27 @@ def test_a_second_signal_exits_at_once(chat_model_dir):
             served.proc.kill()
     time.sleep(0.2)  # the reader thread drains stderr
     assert code == 130 and "stopped at once" in served.stderr and "Traceback" not in served.stderr, served.stderr
+
+
+def test_idle_connections_cannot_exhaust_a_low_file_limit(chat_model_dir):
+    def low():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))  # soft and hard: nothing to raise
+
+    served = Served("--model", str(chat_model_dir), "--no-kv-persist", preexec_fn=low)
+    idle = []
+    try:
+        for _ in range(200):  # more than the process may open
+            try:
+                idle.append(socket.create_connection((served.host, served.port), timeout=WAIT))
+            except OSError:
+                break
+        for _ in range(3):
+            from server_kit import http
+
+            assert http(served.url, "GET", "/health")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(WAIT) == 0, served.stderr
+    assert "Too many open files" not in served.stderr, served.stderr
