@@ -49,7 +49,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
          max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
          ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
-         prefetch: bool = False, process_budget: int | str | None = None, **options) -> "Model":
+         prefetch: bool = False, process_budget: int | str | None = None,
+         progress=None, **options) -> "Model":
     """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
@@ -67,7 +68,8 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     .coli_usage (``pin="auto"``: half the budget, ranked by the model's expert atlas too). ``io`` "direct" (default: bypass the page cache) or "buffered";
     ``prefetch`` reads the next layer's likely experts while a layer computes (off by
     default: on a disk-bound run its wrong guesses cost more reads than it saves; see
-    BENCHMARKS.md)."""
+    BENCHMARKS.md). ``progress(done, total)`` is called as the tensors of a Hugging Face
+    directory are read (and quantized)."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
     for q in (quant, head_quant):
@@ -101,7 +103,10 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
         if ram_budget is not None or process_budget is not None or pin is not None:
             raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "
                                       "(coli convert SRC DST --quant int4)")
-        weights = HFWeights(Checkpoint(model_dir), quant or "f32", head_quant)
+        ckpt = Checkpoint(model_dir)
+        if progress is not None:
+            ckpt.on_read = progress
+        weights = HFWeights(ckpt, quant or "f32", head_quant)
     net = build_model(cfg, weights)
     weights.finish()
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights)

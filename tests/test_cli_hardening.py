@@ -137,3 +137,45 @@ def test_ctrl_d_quits_the_full_screen_chat_even_with_text_in_the_box(tmp_path):
 
     code, left = asyncio.run(body())
     assert code == 0, left
+
+
+def test_loading_reports_progress(hf_models):
+    import coli
+
+    seen = []
+    m = coli.load(hf_models("qwen3_moe"), quant="int8", threads=1, progress=lambda done, total: seen.append((done,
+                                                                                                            total)))
+    m.close()
+    total = seen[-1][1]
+    assert [d for d, _ in seen] == list(range(1, len(seen) + 1)) and seen[-1][0] == total > 10
+
+
+def test_a_progress_line_while_loading_on_a_terminal_only(hf_models):
+    import pty
+    import select
+
+    model = str(hf_models("qwen3_moe"))
+    args = [sys.executable, "-m", "coli.cli", "run", "--raw", "w1", "-m", model, "-n", "1", "--no-kv-persist"]
+    env = {**os.environ, "COLI_THREADS": "1", "COLUMNS": "100", "TERM": "xterm"}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, cwd=ROOT, env=env)
+    os.close(slave)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], WAIT)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.stdout.read()
+    assert proc.wait(WAIT) == 0, seen
+    os.close(master)
+    assert b"Loading model" in seen and b"tensors" in seen, seen
+    assert b"Loading" not in out  # stdout holds the answer only
+    piped = coli("run", "--raw", "w1", "-m", model, "-n", "1", "--no-kv-persist")
+    assert piped.returncode == 0 and "Loading" not in piped.stderr, piped.stderr

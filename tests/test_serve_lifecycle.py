@@ -114,3 +114,47 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit(chat_model_dir):
     finally:
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(WAIT) == 0, served.stderr
+
+
+def test_a_second_signal_exits_at_once(chat_model_dir):
+    served = Served("--model", str(chat_model_dir), "--no-kv-persist", "--max-body", "16M")
+    try:
+        body = json.dumps({"prompt": "hello " * 1_000_000}).encode()  # seconds of tokenizing: a handler in flight
+        sock = socket.create_connection((served.host, served.port), timeout=WAIT)
+        sock.sendall(f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)  # the body is in; the graceful stop will wait for its handler
+        served.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        served.proc.send_signal(signal.SIGINT)
+        code = served.proc.wait(WAIT)
+        sock.close()
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+    time.sleep(0.2)  # the reader thread drains stderr
+    assert code == 130 and "stopped at once" in served.stderr and "Traceback" not in served.stderr, served.stderr
+
+
+def test_idle_connections_cannot_exhaust_a_low_file_limit(chat_model_dir):
+    def low():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))  # soft and hard: nothing to raise
+
+    served = Served("--model", str(chat_model_dir), "--no-kv-persist", preexec_fn=low)
+    idle = []
+    try:
+        for _ in range(200):  # more than the process may open
+            try:
+                idle.append(socket.create_connection((served.host, served.port), timeout=WAIT))
+            except OSError:
+                break
+        for _ in range(3):
+            from server_kit import http
+
+            assert http(served.url, "GET", "/health")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(WAIT) == 0, served.stderr
+    assert "Too many open files" not in served.stderr, served.stderr

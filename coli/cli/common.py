@@ -94,13 +94,20 @@ def user_errors(fn):
 
 
 def load_model(model: str | None, threads: int | None, **options):
-    """Load with a spinner on stderr when it is a terminal."""
+    """Load with a progress line on stderr when it is a terminal (nothing extra in pipes):
+    the tensors read and quantized so far, then it goes away."""
     import coli
 
-    if stderr.is_terminal:
-        with stderr.status("Loading model…", spinner="dots"):
-            return coli.load(model, threads=threads, **options)
-    return coli.load(model, threads=threads, **options)
+    if not stderr.is_terminal:
+        return coli.load(model, threads=threads, **options)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("Loading model"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("tensors"), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task("load", total=None)
+        return coli.load(model, threads=threads, progress=lambda done, total: bar.update(task, completed=done,
+                                                                                          total=total), **options)
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict]:

@@ -86,7 +86,7 @@ async def start(server: Server, host: str | None = None, port: int | None = None
                            keepalive_timeout=server.config.idle_timeout, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
     runner.app[CONNECTIONS].install(runner.server)
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=runner.app[CONNECTIONS].backlog)
     await site.start()
     sock = site._server.sockets[0]
     bound = sock.getsockname()[1]

@@ -8,7 +8,7 @@
 - ``max_connections`` (--max-connections): past it, the connection idle longest is closed
   to make room; when none is idle, the new one gets a 503 with Retry-After and is closed.
   It is also kept below the open-file limit, which ``raise_file_limit`` lifts to the hard
-  limit at start, so accepting never fails with "Too many open files".
+  limit at start, so accepting never fails with "Too many open files" (``connection_plan``).
 
 The aiohttp server reports each connection through its public ``connection_made`` /
 ``connection_lost`` hooks; an outer middleware marks which of them are inside a request.
@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import resource
 
 from aiohttp import web
 
 log = logging.getLogger("coli.server")
-FILE_RESERVE = 64  # descriptors kept for everything but client sockets (KV files, logs, the listener)
+FILE_RESERVE = 16  # descriptors kept, beyond those open at start, for KV files, logs and the listener
 
 
 def raise_file_limit() -> int:
@@ -39,12 +40,21 @@ def raise_file_limit() -> int:
     return soft
 
 
-def connection_cap(configured: int) -> int:
-    """``configured``, lowered to fit the process's open-file limit."""
+def connection_plan(configured: int) -> tuple[int, int]:
+    """(connection cap, listen backlog) for the open-file limit: ``configured`` lowered to
+    what the descriptors not yet open allow. The event loop accepts up to a backlog of
+    connections at once before any is counted (and the idlest closed), so the cap leaves
+    room for two such bursts, and a low limit gets a small backlog."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return configured
-    return max(1, min(configured, soft - FILE_RESERVE))
+        return configured, 128
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    free = soft - in_use - FILE_RESERVE
+    backlog = max(4, min(128, free // 8))
+    return max(1, min(configured, free - 2 * backlog)), backlog
 
 
 class _State:
@@ -58,7 +68,7 @@ class ConnectionGuard:
     def __init__(self, config):
         self.request_timeout = config.request_timeout
         self.idle_timeout = config.idle_timeout
-        self.max_connections = connection_cap(config.max_connections)
+        self.max_connections, self.backlog = connection_plan(config.max_connections)
         self.states: dict[object, _State] = {}
         self._sweeper: asyncio.Task | None = None
 

@@ -20,7 +20,7 @@ _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a strin
           dict: "an object"}
 
 
-MAX_DEPTH = 64  # JSON nesting accepted (a chat with tools needs a handful of levels)
+MAX_DEPTH = 100  # JSON nesting accepted (a chat with tools needs a handful; JSON schemas a few dozen)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -101,6 +101,32 @@ class SafetensorsFile:
                             offset=self._data_start + begin)
         return arr.reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident memory (MADV_DONTNEED on the
+        whole pages inside the run of released tensors around it: neighbours released
+        before share their boundary pages). Always safe on this read-only shared mapping: a
+        later read faults pages back in from the file; only memory is saved."""
+        dt, shape, begin, end = self._info[name]
+        if self._map is None or end == begin or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin, end = self._data_start + begin, self._data_start + end
+        runs = getattr(self, "_released", None)
+        if runs is None:
+            runs = self._released = []
+        for b, e in list(runs):  # merge with the released runs it touches (tensors are packed back to back)
+            if b <= end and begin <= e:
+                runs.remove((b, e))
+                begin, end = min(b, begin), max(e, end)
+        runs.append((begin, end))
+        page = mmap.PAGESIZE
+        start = -(-begin // page) * page  # whole pages inside the run only
+        stop = end // page * page
+        if stop > start:
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            except (OSError, ValueError):
+                pass
+
 
 def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """A float32 array of a tensor: the mapped view itself for F32, a widened copy otherwise."""
@@ -132,6 +158,8 @@ class Checkpoint:
         if not files:
             raise ModelLoadError(f"{self.dir}: no *.safetensors weights found (PyTorch .bin checkpoints are not supported)")
         self.files = [SafetensorsFile(p) for p in files]
+        self.on_read = None  # progress(done, total): called as tensors are read (coli.load's progress)
+        self._read: set[str] = set()
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for name in f.names():
@@ -164,5 +192,17 @@ class Checkpoint:
         dt = f.dtype(name)
         if dt not in ("F32", "F16", "BF16", "F64"):
             raise ModelLoadError(f"{f.path}: tensor {name!r} is {dt}, expected a floating-point tensor")
-        arr = to_f32(f.raw(name), dt)
-        return np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(to_f32(f.raw(name), dt))
+        if self.on_read is not None and name not in self._read:
+            self._read.add(name)
+            self.on_read(len(self._read), len(self._where))
+        if dt != "F32":  # a widened copy: the source pages are not needed any more
+            f.release(name)
+        return arr
+
+    def release(self, name: str) -> None:
+        """Let the pages of tensor ``name`` go (``SafetensorsFile.release``) once a converted
+        copy of it is all that is used."""
+        f = self._where.get(name)
+        if f is not None:
+            f.release(name)

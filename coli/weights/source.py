@@ -104,7 +104,10 @@ class HFWeights(Weights):
         w = self.ckpt.f32(name, (rows, cols))
         if row_order is not None:
             w = np.ascontiguousarray(w[row_order])
-        return quantize(w, fmt or self.quant)
+        q = quantize(w, fmt or self.quant)
+        if (fmt or self.quant) != "f32":  # the quantized copy is what runs: the source pages can go
+            self.ckpt.release(name)
+        return q
 
     def expert_tensors(self, prefix: str, sub: str, names, E: int, H: int, I: int) -> Iterator[tuple]:
         """(gate (I, H), up (I, H), down (H, I)) float32 for each expert, from per-expert
@@ -125,4 +128,10 @@ class HFWeights(Weights):
         table = K.ExpertTable(E, H, I, K.FORMATS[self.quant])
         for e, mats in enumerate(self.expert_tensors(prefix, sub, names, E, H, I)):
             table.set(e, *(quantize(np.ascontiguousarray(m), self.quant) for m in mats))
+            if self.quant != "f32":
+                for n in (f"{prefix}.{sub}.{e}.{x}.weight" for x in names):
+                    self.ckpt.release(n)
+        if self.quant != "f32":
+            for n in (f"{prefix}.{sub}.gate_up_proj", f"{prefix}.{sub}.down_proj"):
+                self.ckpt.release(n)
         return ResidentExperts(table)
