@@ -234,10 +234,10 @@ class Runner:
         like a prompt (reused from, and left in, the slot); then every ``Question``'s options
         are read after it in a few batched steps. The handle yields Started, BranchLogprobs,
         Profile, Usage (0 completion tokens), Finished. Raises like ``submit``."""
-        ids = self._check_prompt(prompt=prefix)
-        longest = max((q.length for q in questions), default=0)
+        ids = self._check_prompt(prefix)
         if not questions:
             raise InvalidRequestError("score_branches: give at least one question")
+        longest = max(q.length for q in questions)
         if len(ids) + longest > self.ctx:
             raise ContextLengthExceededError(f"context_length_exceeded: {len(ids) + longest} tokens do not fit "
                                              f"the context of {self.ctx}")

@@ -79,6 +79,13 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum())
 
 
+def token_logprobs(row: np.ndarray, tokens: Sequence[int]) -> list[float]:
+    """log_softmax(row)[tokens], without materialising the whole distribution in float64."""
+    m = float(row.max())
+    lse = m + float(np.log(np.exp(row - m, dtype=np.float64).sum()))
+    return [float(row[t]) - lse for t in tokens]
+
+
 class BranchScorer:
     """Runs the branches of batched scoring requests on one engine (see the module
     docstring); owns the scratch lanes. Not thread-safe: the engine's thread uses it."""
@@ -135,15 +142,15 @@ class BranchScorer:
         for i, q in wave:
             if not q.ids:
                 qcache[i], first[i] = cache, base
-        # options longer than one token: the distinct token prefixes to feed, per question
-        paths: list[tuple[int, tuple[int, ...]]] = []
-        seen = set()
+        # options longer than one token: the distinct token prefixes to feed, per question, and
+        # the last tokens read after each (the earlier ones are the path's own)
+        lasts: dict[tuple[int, tuple[int, ...]], set[int]] = {}
         for i, q in wave:
             for o in q.options:
-                if len(o) > 1 and (i, o[:-1]) not in seen:
-                    seen.add((i, o[:-1]))
-                    paths.append((i, o[:-1]))
-        rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # path -> (len(path), V) log-probabilities
+                if len(o) > 1:
+                    lasts.setdefault((i, o[:-1]), set()).add(o[-1])
+        paths = list(lasts)
+        rows: dict[tuple[int, tuple[int, ...]], dict] = {}  # path -> {(position, token): log-probability}
         free = len(with_ids)  # lanes 0.. hold the questions
         while paths:
             batch, used = [], 0
@@ -162,15 +169,19 @@ class BranchScorer:
             logits = eng.step(entries, all_logits=True)  # (tokens of all paths, V)
             steps, tokens = steps + 1, tokens + len(logits)
             r = 0
-            for i, path in batch:
-                rows[(i, path)] = np.stack([log_softmax(logits[r + k]) for k in range(len(path))])
+            for i, path in batch:  # only the entries wanted: a row of a large vocabulary is big
+                got = {}
+                for k in range(len(path)):
+                    wanted = [path[k + 1]] if k + 1 < len(path) else sorted(lasts[(i, path)])
+                    got.update(((k, t), v) for t, v in zip(wanted, token_logprobs(logits[r + k], wanted)))
+                rows[(i, path)] = got
                 r += len(path)
         for i, q in wave:
             for k, o in enumerate(q.options):
                 lp = [float(first[i][o[0]])]
                 if len(o) > 1:
-                    rr = rows[(i, o[:-1])]
-                    lp += [float(rr[j, o[j + 1]]) for j in range(len(o) - 1)]
+                    got = rows[(i, o[:-1])]
+                    lp += [got[(j, o[j + 1])] for j in range(len(o) - 1)]
                 out[i][k] = tuple(lp)
         return steps, tokens
 

@@ -367,3 +367,17 @@ def test_a_runner_without_batched_scoring_gets_the_same_numbers(srv):
     assert len(each[0]) == 3
     for a, b in zip(batched[0], each[0]):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_counted_like_every_endpoint(srv):
+    """Per-endpoint request counts, the scheduler's counters and /health see System One calls."""
+    registry = srv.server.telemetry.metrics.registry
+    count = lambda status: registry.get_sample_value("colibri_server_requests_total",  # noqa: E731
+                                                     {"endpoint": "/v1/systemone", "status": status}) or 0
+    ok, bad = count("200"), count("422")
+    completed = http(srv, "GET", "/health")[2]["completed"]
+    assert post(srv, {"state": "x", "questions": {"q": QUESTIONS["team"]}})[0] == 200
+    assert post(srv, {"state": "x", "questions": {}})[0] == 422
+    assert count("200") == ok + 1 and count("422") == bad + 1
+    health = http(srv, "GET", "/health")[2]
+    assert health["completed"] == completed + 1 and health["active"] == 0
