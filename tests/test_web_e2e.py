@@ -37,8 +37,8 @@ def chromium() -> str | None:
 class WebProcess:
     """`coli web --no-browser` on a free port; the URL is read from what it prints."""
 
-    def __init__(self, *extra: str):
-        env = {**os.environ, "COLI_THREADS": "1"}
+    def __init__(self, *extra: str, env: dict | None = None):
+        env = {**os.environ, "COLI_THREADS": "1", **(env or {})}
         for var in ("COLI_API_KEY", "COLI_MODEL", "DISPLAY", "WAYLAND_DISPLAY"):
             env.pop(var, None)
         self.proc = subprocess.Popen([sys.executable, "-m", "coli.cli", "web", "--no-browser", "--port", "0",
@@ -132,14 +132,19 @@ class OtherEndpoint:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def test_dashboard_in_headless_chromium():
+def test_dashboard_in_headless_chromium(tmp_path):
     browser = chromium()
     if browser is None:
         pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it)")
     assert shutil.which("node"), "Node.js is needed to drive Chromium (playwright-core)"
     if not (WEB / "node_modules" / "playwright-core").is_dir():
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=WEB, check=True, timeout=600)
-    plain, keyed, other = WebProcess(), WebProcess("--api-key", "e2e-key"), OtherEndpoint()
+    # the keyed server runs a copy of the built-in model without its expert atlas (Explore says how to make one)
+    bare = tmp_path / "no-atlas"
+    shutil.copytree(ROOT / "coli" / "default_model", bare, ignore=shutil.ignore_patterns("experts.json"))
+    plain = WebProcess()
+    keyed = WebProcess("--api-key", "e2e-key", "--model", str(bare), env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    other = OtherEndpoint()
     try:
         env = {**os.environ, "COLI_URL": plain.url(), "COLI_KEY_URL": keyed.url(), "COLI_KEY": "e2e-key",
                "OTHER_URL": other.url, "OUT": str(OUT), "CHROMIUM": browser}

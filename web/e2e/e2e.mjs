@@ -323,6 +323,11 @@ try {
     await kp.getByTestId('send').waitFor({ timeout: 60000 })
     const r = (await kp.getByTestId('msg-assistant').last().locator('> .text').textContent()).trim()
     check(r.length > 0 && (await kp.getByTestId('chat-error').count()) === 0, 'and sends it: the chat answers')
+    // this server's model has no expert atlas: Explore says how to make one
+    await kp.getByTestId('dock-brain').click()
+    await kp.getByTestId('tab-explore').click()
+    await kp.getByTestId('atlas-none').waitFor({ timeout: 10000 })
+    check(/coli atlas --model/.test(await kp.getByTestId('atlas-none').textContent()), 'Explore without an atlas says how to make one')
     await kctx.close()
   }
 
