@@ -296,7 +296,8 @@ def _refuse(body: dict) -> None:
 def usage_body(server, u: Usage | None, reasoning: str = "") -> dict:
     prompt, cached, out = (u.prompt_tokens, u.cached_tokens, u.completion_tokens) if u else (0, 0, 0)
     thought = len(server.model.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": out,
             "output_tokens_details": {"reasoning_tokens": min(thought, out)}, "total_tokens": prompt + out}
 
 
