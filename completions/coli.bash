@@ -69,6 +69,7 @@ _coli() {
         "coli serve --allowed-host") COMPREPLY=(); return ;;
         "coli serve --cors-origin") COMPREPLY=(); return ;;
         "coli serve --max-body") COMPREPLY=(); return ;;
+        "coli serve --log-format") COMPREPLY=(); return ;;
         "coli serve --threads"|"coli serve -t") COMPREPLY=(); return ;;
         "coli serve --quant"|"coli serve -q") COMPREPLY=(); return ;;
         "coli serve --ram-budget") COMPREPLY=(); return ;;
@@ -91,6 +92,7 @@ _coli() {
         "coli web --allowed-host") COMPREPLY=(); return ;;
         "coli web --cors-origin") COMPREPLY=(); return ;;
         "coli web --max-body") COMPREPLY=(); return ;;
+        "coli web --log-format") COMPREPLY=(); return ;;
         "coli web --threads"|"coli web -t") COMPREPLY=(); return ;;
         "coli web --quant"|"coli web -q") COMPREPLY=(); return ;;
         "coli web --ram-budget") COMPREPLY=(); return ;;
@@ -114,8 +116,8 @@ _coli() {
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
         "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
-        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

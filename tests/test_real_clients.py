@@ -1,0 +1,69 @@
+"""The real coding agents and CLIs, run non-interactively against the server (opt-in).
+
+    COLI_REAL_CLIENTS=1 COLI_CLIENT_PATH=/path/to/node_modules/.bin python -m pytest tests/test_real_clients.py
+
+Each installed client (tests/agent_clients.py: Claude Code, Codex CLI, opencode, Qwen Code,
+aider, llm) runs one task against a live server on 127.0.0.1 — the agent test model
+(server_kit: a 64k context, its tokenizer knows the clients' recorded prompts) answering
+with a fixed script, or for Claude Code's round trip a tool call then an answer. The test
+checks the client's exit status, that it printed the answer, and that the server's access
+log shows its requests answered 200 on the endpoint it speaks. A client that is not
+installed skips with the command that installs it. Results go in docs/SERVER.md.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+from agent_clients import CLIENTS, Client
+from server_kit import ScriptedSampler, build_agent_model, running
+
+ANSWER = "Hello from coli."
+pytestmark = pytest.mark.skipif(os.environ.get("COLI_REAL_CLIENTS") != "1",
+                                reason="opt-in: set COLI_REAL_CLIENTS=1 (and COLI_CLIENT_PATH to where the "
+                                       "clients are installed) to run the real coding agents")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    yield from running(build_agent_model(tmp_path_factory.getbasetemp()), default_script=ANSWER, ctx=65536,
+                       kv_slots=2, config={"log_format": "text"})
+
+
+def run(client: Client, srv, work, prompt=None, turns=1):
+    argv, env = client.command(srv.url, work, *((prompt, turns) if prompt else ()))
+    return subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+
+
+def logged(capfd, api: str) -> list[str]:
+    return [x for x in capfd.readouterr().err.splitlines() if re.search(rf" POST {re.escape(api)} \d{{3}} ", x)]
+
+
+@pytest.mark.parametrize("client", CLIENTS, ids=lambda c: c.name)
+def test_client_answers(client, srv, tmp_path, capfd):
+    if client.path() is None:
+        pytest.skip(f"{client.exe} is not installed: {client.install} (or put it on COLI_CLIENT_PATH)")
+    ScriptedSampler.default[:] = [ANSWER]
+    capfd.readouterr()
+    out = run(client, srv, tmp_path)
+    assert out.returncode == 0, (client.version(), out.stdout[-2000:], out.stderr[-2000:])
+    assert ANSWER in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+    lines = logged(capfd, client.api)
+    assert lines and all(" 200 " in x for x in lines), lines
+
+
+def test_claude_code_tool_round_trip(srv, tmp_path, capfd):
+    client = next(c for c in CLIENTS if c.name == "claude_code")
+    if client.path() is None:
+        pytest.skip(f"claude is not installed: {client.install}")
+    (tmp_path / "notes.txt").write_text("coli\n")
+    ScriptedSampler.default[:] = ['<tool_call>\n{"name": "Glob", "arguments": {"pattern": "*.txt"}}\n</tool_call>',
+                                  "Found notes.txt."]
+    capfd.readouterr()
+    out = run(client, srv, tmp_path, "List the .txt files here.", 2)
+    assert out.returncode == 0 and "Found notes.txt." in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+    lines = logged(capfd, "/v1/messages")
+    assert len(lines) >= 2 and all(" 200 " in x for x in lines), lines
