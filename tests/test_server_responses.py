@@ -115,7 +115,8 @@ def test_parse_with_a_pydantic_function_tool(client):
         city: str
 
     SCRIPTS[9005] = '<tool_call>\n{"name": "GetWeather", "arguments": {"city": "Lima"}}\n</tool_call>'
-    r = client.responses.parse(model="tiny", input="Weather in Lima?", tools=[openai.pydantic_function_tool(GetWeather)],
+    r = client.responses.parse(model="tiny", input="Weather in Lima?",
+                               tools=[openai.pydantic_function_tool(GetWeather)],
                                extra_body={"seed": 9005})
     (call,) = [i for i in r.output if i.type == "function_call"]
     assert isinstance(call.parsed_arguments, GetWeather) and call.parsed_arguments.city == "Lima"
