@@ -230,3 +230,39 @@ def test_system_messages_fold_into_the_system_prompt():
             {"role": "system", "content": "B"}, {"role": "assistant", "content": "yo"}]
     assert fold_system(msgs) == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"},
                                  {"role": "assistant", "content": "yo"}]
+
+
+# a ChatML template without tool calling that renders only a leading system message
+PLAIN = ("{%- for m in messages %}{%- if m.role != 'system' or loop.first %}"
+         "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def plain(chat_model_dir, tmp_path_factory):
+    import shutil
+
+    out = tmp_path_factory.mktemp("plain") / "model"
+    shutil.copytree(chat_model_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PLAIN}))
+    yield from running(out, kv_slots=1, ctx=512)
+
+
+def test_a_template_that_drops_system_turns_gets_them_folded(plain):
+    convo = [{"role": "user", "content": "hi"}, {"role": "system", "content": "The user is in /tmp."}]
+    status, _, n = http(plain, "POST", "/v1/messages/count_tokens", {"model": "tiny", "system": "Be brief.",
+                                                                     "messages": convo})
+    folded = plain.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief.\n\nThe user is in /tmp."},
+                                                  {"role": "user", "content": "hi"}])
+    assert status == 200 and n["input_tokens"] == len(plain.tokenizer.encode(folded, add_special_tokens=False))
+
+
+def test_count_tokens_counts_tools_on_a_template_without_tool_calling(plain):
+    body = {"model": "tiny", "messages": USER}
+    _, _, bare = http(plain, "POST", "/v1/messages/count_tokens", body)
+    status, _, with_tools = http(plain, "POST", "/v1/messages/count_tokens", {**body, "tools": TOOLS})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"],
+                                               "description": TOOLS[0]["description"]}}]
+    extra = len(plain.tokenizer.encode(json.dumps(tools, ensure_ascii=False), add_special_tokens=False))
+    assert status == 200 and with_tools["input_tokens"] == bare["input_tokens"] + extra
