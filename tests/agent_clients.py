@@ -60,18 +60,19 @@ class Client:
         return [exe, "-p", prompt, "--max-turns", "{turns}", "--model", MODEL], env
 
     def _codex(self, exe, url, work, prompt, env):
-        env.update(CODEX_HOME=str(work / "codex"), COLI_API_KEY_FOR_CODEX="local")
-        (work / "codex").mkdir(exist_ok=True)
-        provider = (f'{{name="coli", base_url="{url}/v1", wire_api="responses", '
-                    'env_key="COLI_API_KEY_FOR_CODEX"}')
-        return [exe, "exec", "--skip-git-repo-check", "-m", MODEL, "-c", 'model_provider="coli"',
-                "-c", f"model_providers.coli={provider}", prompt], env
+        home = work / "codex"
+        home.mkdir(exist_ok=True)
+        (home / "config.toml").write_text(  # the README's config.toml
+            f'model = "{MODEL}"\nmodel_provider = "coli"\n\n[model_providers.coli]\nname = "coli"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+        env.update(CODEX_HOME=str(home))
+        return [exe, "exec", "--skip-git-repo-check", prompt], env
 
     def _opencode(self, exe, url, work, prompt, env):
         config = {"$schema": "https://opencode.ai/config.json", "model": f"coli/{MODEL}", "autoupdate": False,
                   "share": "disabled",
                   "provider": {"coli": {"npm": "@ai-sdk/openai-compatible", "name": "coli",
-                                        "options": {"baseURL": f"{url}/v1", "apiKey": "local"},
+                                        "options": {"baseURL": f"{url}/v1"},
                                         "models": {MODEL: {"name": MODEL}}}}}
         (work / "opencode.json").write_text(json.dumps(config))
         env.update(OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1",
@@ -93,7 +94,7 @@ class Client:
         user.mkdir(exist_ok=True)
         (user / "extra-openai-models.yaml").write_text(
             f"- model_id: {MODEL}\n  model_name: {MODEL}\n  api_base: \"{url}/v1\"\n")
-        env.update(LLM_USER_PATH=str(user), OPENAI_API_KEY="local")
+        env.update(LLM_USER_PATH=str(user))  # no key: the README's setup
         return [exe, "-m", MODEL, "--no-log", prompt], env
 
 
