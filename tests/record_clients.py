@@ -22,7 +22,9 @@ sys.path.insert(0, str(HERE))
 ANSWER = "Hello from coli."
 # a tool round trip: the first answer calls a tool, the next (with its result) answers
 ROUND_TRIPS = {"claude_code": ['<tool_call>\n{"name": "Glob", "arguments": {"pattern": "*.txt"}}\n</tool_call>',
-                               "Found notes.txt."]}
+                               "Found notes.txt."],
+               "codex": ['<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}\n</tool_call>',
+                         "Found notes.txt."]}
 ROUND_TRIP_ARGS = ("List the .txt files here.", 2)
 FIXTURES = HERE / "fixtures" / "clients"
 

@@ -5,13 +5,15 @@
 Each installed client (tests/agent_clients.py: Claude Code, Codex CLI, opencode, Qwen Code,
 aider, llm) runs one task against a live server on 127.0.0.1 — the agent test model
 (server_kit: a 64k context, its tokenizer knows the clients' recorded prompts) answering
-with a fixed script, or for Claude Code's round trip a tool call then an answer. The test
+with a fixed script, or for a tool round trip (Claude Code, Codex) a call of one of
+the client's tools, then an answer. The test
 checks the client's exit status, that it printed the answer, and that the server's access
 log shows its requests answered 200 on the endpoint it speaks. A client that is not
 installed skips with the command that installs it. Results go in docs/SERVER.md.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -55,15 +57,23 @@ def test_client_answers(client, srv, tmp_path, capfd):
     assert lines and all(" 200 " in x for x in lines), lines
 
 
-def test_claude_code_tool_round_trip(srv, tmp_path, capfd):
-    client = next(c for c in CLIENTS if c.name == "claude_code")
+ROUND_TRIPS = {"claude_code": ("/v1/messages", "Glob", {"pattern": "*.txt"}),
+               "codex": ("/v1/responses", "exec_command", {"cmd": "ls"})}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIPS))
+def test_tool_round_trip(name, srv, tmp_path, capfd):
+    """The model calls one of the client's own tools, the client runs it and sends the
+    result back, the model answers."""
+    client = next(c for c in CLIENTS if c.name == name)
     if client.path() is None:
-        pytest.skip(f"claude is not installed: {client.install}")
+        pytest.skip(f"{client.exe} is not installed: {client.install}")
+    api, tool, args = ROUND_TRIPS[name]
     (tmp_path / "notes.txt").write_text("coli\n")
-    ScriptedSampler.default[:] = ['<tool_call>\n{"name": "Glob", "arguments": {"pattern": "*.txt"}}\n</tool_call>',
-                                  "Found notes.txt."]
+    call = json.dumps({"name": tool, "arguments": args})
+    ScriptedSampler.default[:] = [f"<tool_call>\n{call}\n</tool_call>", "Found notes.txt."]
     capfd.readouterr()
     out = run(client, srv, tmp_path, "List the .txt files here.", 2)
     assert out.returncode == 0 and "Found notes.txt." in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
-    lines = logged(capfd, "/v1/messages")
+    lines = logged(capfd, api)
     assert len(lines) >= 2 and all(" 200 " in x for x in lines), lines
