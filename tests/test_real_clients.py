@@ -3,13 +3,13 @@
     COLI_REAL_CLIENTS=1 COLI_CLIENT_PATH=/path/to/node_modules/.bin python -m pytest tests/test_real_clients.py
 
 Each installed client (tests/agent_clients.py: Claude Code, Codex CLI, opencode, Qwen Code,
-aider, llm) runs one task against a live server on 127.0.0.1 — the agent test model
-(server_kit: a 64k context, its tokenizer knows the clients' recorded prompts) answering
-with a fixed script, or for a tool round trip (Claude Code, Codex) a call of one of
-the client's tools, then an answer. The test
-checks the client's exit status, that it printed the answer, and that the server's access
-log shows its requests answered 200 on the endpoint it speaks. A client that is not
-installed skips with the command that installs it. Results go in docs/SERVER.md.
+aider, llm), set up as the README says, runs one task against a live server on 127.0.0.1:
+the agent test model (server_kit: a 64k context, its tokenizer knows the clients' recorded
+prompts) answers with a fixed script, or, for a tool round trip (Claude Code, Codex), calls
+one of the client's own tools and then answers. The test checks the client's exit status,
+that it printed the answer, and that the server's access log shows its requests answered
+200 on the endpoint it speaks. A client that is not installed skips with the command that
+installs it. Results go in docs/SERVER.md.
 """
 from __future__ import annotations
 
