@@ -39,15 +39,17 @@ class Client:
         lines = (out.stdout or out.stderr).strip().splitlines()
         return lines[-1].strip() if lines else "?"
 
-    def command(self, url: str, work: Path, prompt: str = PROMPT) -> tuple[list[str], dict]:
-        """(argv, environment) running one non-interactive turn against ``url`` in ``work``."""
+    def command(self, url: str, work: Path, prompt: str = PROMPT, turns: int = 1) -> tuple[list[str], dict]:
+        """(argv, environment) running one non-interactive task against ``url`` in ``work``
+        (``turns``: model turns allowed where the client takes a limit)."""
         home = work / "home"
         home.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "CLAUDE_"))}
         env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
                    XDG_CACHE_HOME=str(home / ".cache"), NO_COLOR="1", CI="1")
         exe = self.path()
-        return getattr(self, f"_{self.name}")(exe, url, work, prompt, env)
+        argv, env = getattr(self, f"_{self.name}")(exe, url, work, prompt, env)
+        return [str(turns) if a == "{turns}" else a for a in argv], env
 
     # one method per client: its documented base-URL setting ---------------------------------
 
@@ -55,21 +57,22 @@ class Client:
         env.update(ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="local", ANTHROPIC_MODEL=MODEL,
                    ANTHROPIC_SMALL_FAST_MODEL=MODEL, ANTHROPIC_DEFAULT_HAIKU_MODEL=MODEL,
                    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
-        return [exe, "-p", prompt, "--max-turns", "1", "--model", MODEL], env
+        return [exe, "-p", prompt, "--max-turns", "{turns}", "--model", MODEL], env
 
     def _codex(self, exe, url, work, prompt, env):
-        env.update(CODEX_HOME=str(work / "codex"), COLI_API_KEY_FOR_CODEX="local")
-        (work / "codex").mkdir(exist_ok=True)
-        provider = (f'{{name="coli", base_url="{url}/v1", wire_api="responses", '
-                    'env_key="COLI_API_KEY_FOR_CODEX"}')
-        return [exe, "exec", "--skip-git-repo-check", "-m", MODEL, "-c", 'model_provider="coli"',
-                "-c", f"model_providers.coli={provider}", prompt], env
+        home = work / "codex"
+        home.mkdir(exist_ok=True)
+        (home / "config.toml").write_text(  # the README's config.toml
+            f'model = "{MODEL}"\nmodel_provider = "coli"\n\n[model_providers.coli]\nname = "coli"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+        env.update(CODEX_HOME=str(home))
+        return [exe, "exec", "--skip-git-repo-check", prompt], env
 
     def _opencode(self, exe, url, work, prompt, env):
         config = {"$schema": "https://opencode.ai/config.json", "model": f"coli/{MODEL}", "autoupdate": False,
                   "share": "disabled",
                   "provider": {"coli": {"npm": "@ai-sdk/openai-compatible", "name": "coli",
-                                        "options": {"baseURL": f"{url}/v1", "apiKey": "local"},
+                                        "options": {"baseURL": f"{url}/v1"},
                                         "models": {MODEL: {"name": MODEL}}}}}
         (work / "opencode.json").write_text(json.dumps(config))
         env.update(OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1",
@@ -91,7 +94,7 @@ class Client:
         user.mkdir(exist_ok=True)
         (user / "extra-openai-models.yaml").write_text(
             f"- model_id: {MODEL}\n  model_name: {MODEL}\n  api_base: \"{url}/v1\"\n")
-        env.update(LLM_USER_PATH=str(user), OPENAI_API_KEY="local")
+        env.update(LLM_USER_PATH=str(user))  # no key: the README's setup
         return [exe, "-m", MODEL, "--no-log", prompt], env
 
 

@@ -20,6 +20,12 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 ANSWER = "Hello from coli."
+# a tool round trip: the first answer calls a tool, the next (with its result) answers
+ROUND_TRIPS = {"claude_code": ['<tool_call>\n{"name": "Glob", "arguments": {"pattern": "*.txt"}}\n</tool_call>',
+                               "Found notes.txt."],
+               "codex": ['<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}\n</tool_call>',
+                         "Found notes.txt."]}
+ROUND_TRIP_ARGS = ("List the .txt files here.", 2)
 FIXTURES = HERE / "fixtures" / "clients"
 
 
@@ -28,33 +34,38 @@ def main(names: list[str]) -> int:
 
     from agent_clients import BY_NAME, CLIENTS
     from client_capture import CaptureProxy
-    from server_kit import build_agent_model, running
+    from server_kit import ScriptedSampler, build_agent_model, running
 
-    chosen = [BY_NAME[n] for n in names] if names else CLIENTS
+    chosen = [BY_NAME[n.removesuffix("_tools")] for n in names] if names else CLIENTS
+    runs = [(c, n.endswith("_tools")) for c, n in zip(chosen, names)] if names else [(c, False) for c in chosen]
+    runs += [(BY_NAME[n], True) for n in ROUND_TRIPS if not names]
     FIXTURES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_agent_model(Path(tmp))
         gen = running(model_dir, default_script=ANSWER, ctx=65536, kv_slots=2)
         srv = next(gen)
         try:
-            for client in chosen:
+            for client, tools in runs:
                 if client.path() is None:
                     print(f"{client.name}: not installed ({client.install})", file=sys.stderr)
                     continue
+                name = client.name + ("_tools" if tools else "")
+                ScriptedSampler.default[:] = ROUND_TRIPS[client.name] if tools else [ANSWER]
                 with CaptureProxy(srv.url) as proxy:
-                    work = Path(tmp) / client.name
+                    work = Path(tmp) / name
                     work.mkdir()
-                    argv, env = client.command(proxy.url, work)
+                    (work / "notes.txt").write_text("coli\n")
+                    argv, env = client.command(proxy.url, work, *(ROUND_TRIP_ARGS if tools else ()))
                     try:
-                        out = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=600,
+                        out = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=240,
                                              stdin=subprocess.DEVNULL)
                         rc, text = out.returncode, out.stdout + out.stderr
                     except subprocess.TimeoutExpired as e:
                         rc, text = "timeout", str(e.stdout or "") + str(e.stderr or "")
                 record = {"client": client.name, "version": client.version(), "exit": rc,
                           "requests": proxy.requests}
-                (FIXTURES / f"{client.name}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-                print(f"{client.name} {record['version']}: exit {rc}, {len(proxy.requests)} request(s): "
+                (FIXTURES / f"{name}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+                print(f"{name} {record['version']}: exit {rc}, {len(proxy.requests)} request(s): "
                       f"{[(r['method'], r['path'], r.get('status')) for r in proxy.requests]}\n{text[-1500:]}",
                       file=sys.stderr)
         finally:

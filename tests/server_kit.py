@@ -42,19 +42,23 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-def write_bpe_tokenizer(out: Path, extra: list[str] = (), vocab_size: int = 420) -> int:
+def write_bpe_tokenizer(out: Path, extra: list[str] = ()) -> int:
     """A byte-level BPE tokenizer (Qwen's kind) with ChatML specials; returns its size.
-    ``extra`` texts join the training corpus (the agent model learns the clients' prompts)."""
+    ``extra`` texts become whole tokens, and so does each of their lines: a recorded
+    client's system prompt, tools and instructions are then a handful of tokens (any
+    other text still encodes byte by byte, and every token decodes to its text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    # with extra texts, merges may cross word boundaries: recorded prompts become few tokens
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not extra)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS + list(extra), trainer)
+    tok.train_from_iterator(CORPUS, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    pieces = {p for text in extra for p in (text, *text.splitlines()) if len(p.strip()) >= 8}
+    pieces -= set(ADDED) | set(SPECIAL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in sorted(pieces)])
     tok.save(str(out / "tokenizer.json"))
     return tok.get_vocab_size()
 
@@ -67,7 +71,12 @@ def fixture_texts() -> list[str]:
         if isinstance(v, str):
             out.append(v)
         elif isinstance(v, dict):
-            out.append(json.dumps(v, ensure_ascii=False))  # as templates render tools (tojson)
+            schema = v.get("input_schema", v.get("parameters"))
+            if isinstance(v.get("name"), str) and isinstance(schema, dict):  # a tool, as templates render it
+                fn = {"name": v["name"], "parameters": schema}
+                if isinstance(v.get("description"), str):
+                    fn["description"] = v["description"]
+                out.append(json.dumps({"type": "function", "function": fn}, ensure_ascii=False))
             for x in v.values():
                 walk(x)
         elif isinstance(v, list):
@@ -80,14 +89,14 @@ def fixture_texts() -> list[str]:
 
 
 def build_agent_model(root: Path) -> Path:
-    """The tiny chat model for the coding agents: a 64k context and a tokenizer trained on
-    the clients' recorded prompts too, so Claude Code's ~80k characters of system prompt
-    and tools are a few thousand tokens (any text still encodes, byte-level)."""
-    return build_chat_model(root, "qwen3-agents", max_positions=65536, extra=fixture_texts(), vocab_size=16384)
+    """The tiny chat model for the coding agents: a 64k context, and the clients' recorded
+    prompts as whole tokens (write_bpe_tokenizer), so Claude Code's ~80k characters of
+    system prompt and tools take a few thousand tokens, not 55k (minutes of prefill)."""
+    return build_chat_model(root, "qwen3-agents", max_positions=65536, extra=fixture_texts())
 
 
-def build_chat_model(root: Path, name: str = "qwen3-chat", max_positions: int = 1024, extra: list[str] = (),
-                     vocab_size: int = 420) -> Path:
+def build_chat_model(root: Path, name: str = "qwen3-chat", max_positions: int = 1024,
+                     extra: list[str] = ()) -> Path:
     """The tiny chat model (built once per test process)."""
     from conftest import make_hf_model
     from test_tokenizer import QWEN3
@@ -97,7 +106,7 @@ def build_chat_model(root: Path, name: str = "qwen3-chat", max_positions: int = 
             return _built[name]
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
-        vocab = write_bpe_tokenizer(out, extra, vocab_size)
+        vocab = write_bpe_tokenizer(out, extra)
         make_hf_model("qwen3_moe", out / "hf", vocab_size=vocab, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=48, head_dim=16, max_position_embeddings=max_positions,
                       norm_topk_prob=True)
@@ -126,12 +135,14 @@ class ScriptedSampler(Sampler):
 
     tokenizer = None
     eos: int | None = None
-    default: str | None = None  # the script of requests without a scripted seed (None: sample)
+    default: list[str] = []  # scripts of requests without a scripted seed, in turn; the last one stays
 
     def __init__(self, params):
         super().__init__(params)
         script = SCRIPTS.get(params.seed) if params.seed is not None else None
-        self.script = self.default if script is None else script
+        if script is None and self.default:
+            script = self.default.pop(0) if len(self.default) > 1 else self.default[0]
+        self.script = script
         # a script is not the argmax: the runner must call sample
         self.is_greedy = self.is_greedy and self.script is None
 
@@ -180,8 +191,9 @@ class Running:
         return self.runner.metrics.value(name, labels)
 
 
-def scripted_sampler(tokenizer, eos: int, default: str | None = None):
-    ScriptedSampler.tokenizer, ScriptedSampler.eos, ScriptedSampler.default = tokenizer, eos, default
+def scripted_sampler(tokenizer, eos: int, default: str | list[str] | None = None):
+    scripts = [] if default is None else [default] if isinstance(default, str) else list(default)
+    ScriptedSampler.tokenizer, ScriptedSampler.eos, ScriptedSampler.default = tokenizer, eos, scripts
     return ScriptedSampler
 
 
@@ -192,7 +204,8 @@ def chat_model_dir(tmp_path_factory) -> Path:
 
 def running(chat_model_dir: Path, default_script: str | None = None, **kw):
     """A module-scoped server with the scripted sampler installed (use in a fixture);
-    ``default_script``: what every request without a scripted seed gets."""
+    ``default_script``: what every request without a scripted seed gets (a list: one after
+    another, the last for the rest; ``ScriptedSampler.default`` can be refilled)."""
     with pytest.MonkeyPatch.context() as mp:
         srv = Running(chat_model_dir, **kw)
         eos = srv.tokenizer.token_to_id("<|im_end|>")

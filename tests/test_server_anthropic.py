@@ -182,3 +182,87 @@ def test_raw_stream_frames_name_their_events(srv):
         event, data = f.split("\n", 1)
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == event[7:]
+
+
+def test_what_claude_code_sends(srv):
+    """Claude Code 2.x: ?beta=true, anthropic-beta, a system message inside messages,
+    cache_control, context_management, metadata, thinking adaptive, output_config.effort,
+    and max_tokens far above the context (clamped: answered, ending at the context)."""
+    system = [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}]
+    convo = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+             {"role": "system", "content": "The user is in /tmp."}]
+    body = {"model": "tiny", "max_tokens": 32000, "system": system, "messages": convo, "metadata": {"user_id": "u"},
+            "tools": [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}], "thinking": {"type": "adaptive"},
+            "output_config": {"effort": "high"}, "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                                  "keep": "all"}]}}
+    headers = {"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07,effort-2025-11-24",
+               "anthropic-version": "2023-06-01"}
+    status, _, counted = http(srv, "POST", "/v1/messages/count_tokens?beta=true", body, headers)
+    assert status == 200
+    chat = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "hi"},
+            {"role": "system", "content": "The user is in /tmp."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"],
+                                               "description": TOOLS[0]["description"]}}]
+    thinking = srv.tokenizer.apply_chat_template(chat, tools=tools, enable_thinking=True)
+    assert "<|im_start|>system\nThe user is in /tmp.<|im_end|>" in thinking  # in place, as a system turn
+    assert counted["input_tokens"] == len(srv.tokenizer.encode(thinking, add_special_tokens=False))
+    SCRIPTS[8020] = "Hi."
+    status, _, m = http(srv, "POST", "/v1/messages?beta=true", {**body, "seed": 8020}, headers)
+    assert status == 200 and m["content"][-1]["text"] == "Hi." and m["stop_reason"] == "end_turn"
+    assert m["usage"]["input_tokens"] + m["usage"]["cache_read_input_tokens"] == counted["input_tokens"]
+    # thinking disabled (and effort none) turn the switch off: the template's empty think block
+    off = srv.tokenizer.apply_chat_template(chat, tools=tools, enable_thinking=False)
+    for switch in ({"thinking": {"type": "disabled"}}, {"thinking": None, "output_config": {"effort": "none"}}):
+        status, _, n = http(srv, "POST", "/v1/messages/count_tokens", {**body, **switch})
+        assert status == 200 and n["input_tokens"] == len(srv.tokenizer.encode(off, add_special_tokens=False))
+    status, _, err = http(srv, "POST", "/v1/messages", {**body, "output_config": {"effort": "extreme"}})
+    assert status == 400 and "output_config.effort" in err["error"]["message"]
+    # a long answer stops at the context, not at a refusal
+    status, _, m = http(srv, "POST", "/v1/messages", {**body, "tools": None, "temperature": 1.0,
+                                                      "thinking": {"type": "disabled"}})
+    assert status == 200 and m["stop_reason"] in ("max_tokens", "end_turn")
+
+
+def test_system_messages_fold_into_the_system_prompt():
+    from coli.server.anthropic import fold_system
+
+    msgs = [{"role": "system", "content": "A"}, {"role": "user", "content": "hi"},
+            {"role": "system", "content": "B"}, {"role": "assistant", "content": "yo"}]
+    assert fold_system(msgs) == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo"}]
+
+
+# a ChatML template without tool calling that renders only a leading system message
+PLAIN = ("{%- for m in messages %}{%- if m.role != 'system' or loop.first %}"
+         "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def plain(chat_model_dir, tmp_path_factory):
+    import shutil
+
+    out = tmp_path_factory.mktemp("plain") / "model"
+    shutil.copytree(chat_model_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PLAIN}))
+    yield from running(out, kv_slots=1, ctx=512)
+
+
+def test_a_template_that_drops_system_turns_gets_them_folded(plain):
+    convo = [{"role": "user", "content": "hi"}, {"role": "system", "content": "The user is in /tmp."}]
+    status, _, n = http(plain, "POST", "/v1/messages/count_tokens", {"model": "tiny", "system": "Be brief.",
+                                                                     "messages": convo})
+    folded = plain.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief.\n\nThe user is in /tmp."},
+                                                  {"role": "user", "content": "hi"}])
+    assert status == 200 and n["input_tokens"] == len(plain.tokenizer.encode(folded, add_special_tokens=False))
+
+
+def test_count_tokens_counts_tools_on_a_template_without_tool_calling(plain):
+    body = {"model": "tiny", "messages": USER}
+    _, _, bare = http(plain, "POST", "/v1/messages/count_tokens", body)
+    status, _, with_tools = http(plain, "POST", "/v1/messages/count_tokens", {**body, "tools": TOOLS})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"],
+                                               "description": TOOLS[0]["description"]}}]
+    extra = len(plain.tokenizer.encode(json.dumps(tools, ensure_ascii=False), add_special_tokens=False))
+    assert status == 200 and with_tools["input_tokens"] == bare["input_tokens"] + extra

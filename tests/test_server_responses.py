@@ -115,7 +115,8 @@ def test_parse_with_a_pydantic_function_tool(client):
         city: str
 
     SCRIPTS[9005] = '<tool_call>\n{"name": "GetWeather", "arguments": {"city": "Lima"}}\n</tool_call>'
-    r = client.responses.parse(model="tiny", input="Weather in Lima?", tools=[openai.pydantic_function_tool(GetWeather)],
+    r = client.responses.parse(model="tiny", input="Weather in Lima?",
+                               tools=[openai.pydantic_function_tool(GetWeather)],
                                extra_body={"seed": 9005})
     (call,) = [i for i in r.output if i.type == "function_call"]
     assert isinstance(call.parsed_arguments, GetWeather) and call.parsed_arguments.city == "Lima"
@@ -176,3 +177,33 @@ def test_refusals_are_clear_400s(client):
         assert words in e.value.message, (extra, e.value.message)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="other", input="hi")
+
+
+def test_cancel_a_running_response(srv):
+    """POST .../cancel while it streams: the stream ends with response.failed (cancelled),
+    the stored response says cancelled, and the slot is free again."""
+    from http.client import HTTPConnection
+    from urllib.parse import urlsplit
+
+    u = urlsplit(srv.url)
+    conn = HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/responses", body=json.dumps({
+        "model": "tiny", "input": "Write a long story.", "stream": True, "temperature": 1.0,
+        "max_output_tokens": 400, "reasoning": {"effort": "none"}}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = b""
+    while b"\n\n" not in first:
+        first += resp.read1(65536)
+    rid = json.loads(first.split(b"data: ", 1)[1].split(b"\n", 1)[0])["response"]["id"]
+    status, _, cancelled = http(srv, "POST", f"/v1/responses/{rid}/cancel")
+    assert status == 200 and cancelled["status"] == "cancelled"
+    rest = (first + resp.read()).decode()
+    conn.close()
+    kinds = [line[7:] for line in rest.splitlines() if line.startswith("event: ")]
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-3:]
+    failed = json.loads(rest.rsplit("data: ", 1)[1])
+    assert failed["response"]["status"] == "cancelled" and failed["response"]["error"]["code"] == "cancelled"
+    status, _, got = http(srv, "GET", f"/v1/responses/{rid}")
+    assert got["status"] == "cancelled"
+    status, _, health = http(srv, "GET", "/health")
+    assert health["active"] == 0
