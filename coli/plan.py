@@ -254,6 +254,8 @@ def check_before_load(path, quant=None, head_quant=None, ctx=None, ram_budget=No
     if budget is None and converted:
         budget = auto_ram_budget(path)
     plan = make_plan(path, quant=quant, head_quant=head_quant, ctx=ctx, ram_budget=budget)
+    if ram_budget is not None and (plan.usable is None or ram_budget < plan.usable):
+        plan.usable, plan.usable_from = ram_budget, "--ram-budget"  # the whole process must fit in it
     if budget is None and converted and plan.experts_total and plan.usable is not None:
         # the store streams what MemAvailable does not hold: count what it will keep
         plan.experts = min(plan.experts_total, max(plan.usable - plan.weights - plan.kv - plan.buffers - RUNTIME, 0))
