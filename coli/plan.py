@@ -187,13 +187,13 @@ def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: 
     """The plan for loading ``path`` (a resolved model path); reads headers only."""
     from coli.config import ModelConfig
     from coli.weights.converted import is_converted, read_manifest
-    from coli.weights.gguf import GGUFModel, GGUFWeights, is_gguf
+    from coli.weights.gguf import GGUFWeights, is_gguf, open_model
     from coli.weights.source import default_head_quant
 
     path = Path(path)
     notes: list[str] = []
     if is_gguf(path):
-        g = GGUFModel(path)
+        g = open_model(path)
         cfg = g.config()
         w = GGUFWeights(g, quant, head_quant)
         quant, head_quant = w.quant, w.head_quant
