@@ -219,10 +219,10 @@ def hf_config(g: GGUFModel) -> dict:
 def _rope_scaling(g: GGUFModel) -> dict | None:
     kind = g.get(".rope.scaling.type")
     factor = g.get(".rope.scaling.factor")
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1-style scaling, as per-frequency divisors
+        t = g.tensors["rope_freqs.weight"]
+        return {"rope_type": "default", "freq_factors": [float(x) for x in np.asarray(t.data, np.float32).ravel()]}
     if not kind or kind == "none" or not factor:
-        if "rope_freqs.weight" in g.tensors:
-            raise ModelLoadError(f"{g.path}: RoPE frequency factors (rope_freqs, Llama 3.1-style scaling) are not "
-                                 "supported in GGUF yet; load the Hugging Face directory instead")
         return None
     out = {"rope_type": kind, "factor": float(factor)}
     orig = g.get(".rope.scaling.original_context_length")
