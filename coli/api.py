@@ -84,29 +84,29 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     if ram_budget is not None:  # the Python API's experts-only budget
         experts_budget = _size(ram_budget, "ram_budget")
     if is_gguf(model_dir):  # a GGUF file: config, tokenizer and weights all come from it
-        cfg, tokenizer, weights = open_gguf(model_dir, quant, head_quant, ram_budget or process_budget)
+        streams = ram_budget is not None or plan.experts < plan.experts_total  # experts would not all fit
+        cfg, tokenizer, weights = open_gguf(model_dir, quant, head_quant,
+                                            (ram_budget or process_budget) if streams else None)
     else:
         cfg = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-    if is_gguf(model_dir):
-        pass
-    elif is_converted(model_dir):
-        store = dict(ram_budget=experts_budget, io=io, prefetch=prefetch)
-        if pin == "auto":  # the hot set ranked by the expert atlas too (coli atlas)
-            from coli.atlas.pinning import pin_prior
+        if is_converted(model_dir):
+            store = dict(ram_budget=experts_budget, io=io, prefetch=prefetch)
+            if pin == "auto":  # the hot set ranked by the expert atlas too (coli atlas)
+                from coli.atlas.pinning import pin_prior
 
-            store.update(pin=None, pin_prior=pin_prior(model_dir))
+                store.update(pin=None, pin_prior=pin_prior(model_dir))
+            else:
+                store["pin"] = _size(pin, "pin")
+            weights = ConvertedWeights(model_dir, quant, head_quant, store)
         else:
-            store["pin"] = _size(pin, "pin")
-        weights = ConvertedWeights(model_dir, quant, head_quant, store)
-    else:
-        if ram_budget is not None or process_budget is not None or pin is not None:
-            raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "
-                                      "(coli convert SRC DST --quant int4)")
-        ckpt = Checkpoint(model_dir)
-        if progress is not None:
-            ckpt.on_read = progress
-        weights = HFWeights(ckpt, quant or "f32", head_quant)
+            if ram_budget is not None or pin is not None:
+                raise InvalidRequestError(f"{model_dir}: ram_budget and pin need a converted model "
+                                          "(coli convert SRC DST --quant int4)")
+            ckpt = Checkpoint(model_dir)
+            if progress is not None:
+                ckpt.on_read = progress
+            weights = HFWeights(ckpt, quant or "f32", head_quant)
     net = build_model(cfg, weights)
     weights.finish()
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights)

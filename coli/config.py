@@ -31,7 +31,9 @@ class RopeConfig:
         inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         p, scaling = self.params, 1.0
         if self.rope_type in ("default", "dynamic"):
-            pass  # dynamic NTK only changes past max_position_embeddings; we refuse longer contexts
+            # dynamic NTK only changes past max_position_embeddings; we refuse longer contexts
+            if "freq_factors" in p:  # a GGUF's rope_freqs tensor (llama.cpp's form of Llama 3.1 scaling)
+                inv = (inv / np.asarray(p["freq_factors"], dtype=np.float32)).astype(np.float32)
         elif self.rope_type == "linear":
             inv = (inv / np.float32(p["factor"])).astype(np.float32)
         elif self.rope_type == "llama3":

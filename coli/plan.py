@@ -187,13 +187,13 @@ def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: 
     """The plan for loading ``path`` (a resolved model path); reads headers only."""
     from coli.config import ModelConfig
     from coli.weights.converted import is_converted, read_manifest
-    from coli.weights.gguf import GGUFModel, GGUFWeights, is_gguf
+    from coli.weights.gguf import GGUFWeights, is_gguf, open_model
     from coli.weights.source import default_head_quant
 
     path = Path(path)
     notes: list[str] = []
     if is_gguf(path):
-        g = GGUFModel(path)
+        g = open_model(path)
         cfg = g.config()
         w = GGUFWeights(g, quant, head_quant)
         quant, head_quant = w.quant, w.head_quant
@@ -254,6 +254,8 @@ def check_before_load(path, quant=None, head_quant=None, ctx=None, ram_budget=No
     if budget is None and converted:
         budget = auto_ram_budget(path)
     plan = make_plan(path, quant=quant, head_quant=head_quant, ctx=ctx, ram_budget=budget)
+    if ram_budget is not None and (plan.usable is None or ram_budget < plan.usable):
+        plan.usable, plan.usable_from = ram_budget, "--ram-budget"  # the whole process must fit in it
     if budget is None and converted and plan.experts_total and plan.usable is not None:
         # the store streams what MemAvailable does not hold: count what it will keep
         plan.experts = min(plan.experts_total, max(plan.usable - plan.weights - plan.kv - plan.buffers - RUNTIME, 0))

@@ -66,6 +66,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
         if rp.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rp["factor"])
+        elif rp.get("rope_type") == "llama3":  # llama.cpp writes the factors as a tensor
+            w.add_tensor("rope_freqs.weight", llama3_factors(rp, cfg.get("head_dim") or H // nh))
         elif rp.get("rope_type") == "yarn":
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(rp["factor"])
@@ -132,6 +134,26 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def llama3_factors(rp: dict, dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: one divisor per frequency."""
+    import math
+
+    freqs = 1.0 / (rp["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, lo, hi, old = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"], \
+        rp["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def write_vocab(w, V: int, kind: str = "gpt2") -> None:

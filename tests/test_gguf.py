@@ -16,7 +16,7 @@ from tests.gguf_kit import write_gguf
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (pip install gguf)")
 
 ARCH_CASES = ["llama", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma3_text", "llama-rope-linear",
-              "qwen2-rope-yarn"]
+              "llama-rope-llama3", "qwen2-rope-yarn"]
 
 
 # llama.cpp's gemma3 scales queries by 1/sqrt(head_dim): the GGUF has no query_pre_attn_scalar

@@ -123,3 +123,13 @@ def test_ram_budget_is_the_whole_process(hf_models, tmp_path, monkeypatch):
     assert m.weights.store.resident
     assert m.plan.as_dict()["fits"] is True
     m.close()
+
+
+def test_a_whole_process_budget_below_the_need_is_refused(big_model, monkeypatch):
+    from coli.plan import check_before_load
+
+    monkeypatch.setenv("COLI_MEMORY_LIMIT", "64G")
+    with pytest.raises(ModelLoadError, match=r"is usable \(--ram-budget\)"):
+        check_before_load(big_model, quant="int4", ram_budget=200 << 20)
+    plan, experts = check_before_load(big_model, quant="int4", ram_budget=2 << 30)
+    assert plan.fits and plan.usable == 2 << 30 and experts is None  # dense: no expert cache to size

@@ -145,7 +145,10 @@ def plan(model: ModelOpt = None, quant: QuantOpt = None, ram_budget: RamBudgetOp
     from coli.api import resolve_model_path
     from coli.plan import make_plan, parse_size
 
-    budget = parse_size(ram_budget) if ram_budget else None
+    try:
+        budget = parse_size(ram_budget) if ram_budget else None
+    except ValueError as e:
+        raise fail(f"--ram-budget: {e}") from None
     p = make_plan(resolve_model_path(model), quant=quant, ctx=ctx, kv_slots=kv_slots, ram_budget=budget)
     if as_json:
         typer.echo(json.dumps(p.as_dict(), indent=2))

@@ -144,6 +144,21 @@ class GGUFModel:
         return ModelConfig.from_dict(hf_config(self), source=str(self.path))
 
 
+_LAST: dict = {}
+
+
+def open_model(path: str | os.PathLike) -> GGUFModel:
+    """GGUFModel(path), reusing the last one opened while the file is unchanged (the plan
+    and the load both read the header; a big vocabulary takes a moment to parse)."""
+    p = Path(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if _LAST.get("key") != key:
+        _LAST.clear()
+        _LAST.update(key=key, model=GGUFModel(p))
+    return _LAST["model"]
+
+
 def hf_config(g: GGUFModel) -> dict:
     """The GGUF metadata as a Hugging Face config.json dict."""
 
@@ -204,10 +219,10 @@ def hf_config(g: GGUFModel) -> dict:
 def _rope_scaling(g: GGUFModel) -> dict | None:
     kind = g.get(".rope.scaling.type")
     factor = g.get(".rope.scaling.factor")
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1-style scaling, as per-frequency divisors
+        t = g.tensors["rope_freqs.weight"]
+        return {"rope_type": "default", "freq_factors": [float(x) for x in np.asarray(t.data, np.float32).ravel()]}
     if not kind or kind == "none" or not factor:
-        if "rope_freqs.weight" in g.tensors:
-            raise ModelLoadError(f"{g.path}: RoPE frequency factors (rope_freqs, Llama 3.1-style scaling) are not "
-                                 "supported in GGUF yet; load the Hugging Face directory instead")
         return None
     out = {"rope_type": kind, "factor": float(factor)}
     orig = g.get(".rope.scaling.original_context_length")
@@ -425,7 +440,8 @@ def open_gguf(path: str | os.PathLike, quant: str | None = None, head_quant: str
     """(ModelConfig, Tokenizer, GGUFWeights) of a GGUF file."""
     from coli.weights.gguf_vocab import tokenizer_from_gguf
 
-    g = GGUFModel(path)
+    g = open_model(path)
+    _LAST.clear()  # the model holds it from here; the cache only bridges the plan and the load
     cfg = g.config()
     tokenizer = tokenizer_from_gguf(g)
     return cfg, tokenizer, GGUFWeights(g, quant, head_quant, ram_budget)
