@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from coli.cli.common import ModelOpt, PinOpt, RamBudgetOpt, ThreadsOpt, fail, stderr, user_errors
+from coli.cli.common import (DraftModelOpt, ModelOpt, PinOpt, RamBudgetOpt, ThreadsOpt, fail, speculation, stderr,
+                             user_errors)
 from coli.synthetic import SPECS
 
 
@@ -34,6 +35,10 @@ def bench(
         "--decode", help="greedy: feed back the argmax. random: feed a seeded random continuation, so a "
                          "random-weight model's routing varies like real text's (use it for cache A/Bs).")] = "greedy",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    speculative: Annotated[Optional[str], typer.Option(
+        "--speculative", help="Also decode the prompts through the runner without and with this speculative mode "
+                              "(auto, ngram, draft): acceptance rate, tokens per step, tok/s both ways.")] = None,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
 
@@ -58,13 +63,19 @@ def bench(
     else:
         m = coli.load(model, threads=threads, quant=quant, io=io, prefetch=prefetch, **opts)
         label = str(m.path)
+    spec = None
     try:
         res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,
                     decode=decode)
+        if speculative is not None:
+            spec = _speculative(m, speculative, draft_model, prompt_tokens, gen_tokens, repeats)
     finally:
         m.close()
     if as_json:
-        typer.echo(json.dumps(res.to_dict(), indent=1))
+        d = res.to_dict()
+        if spec is not None:
+            d["speculative"] = spec
+        typer.echo(json.dumps(d, indent=1))
         return
     t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads · {res.simd}"
                     + (" · random decode input" if decode == "random" else ""))
@@ -88,4 +99,34 @@ def bench(
     t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", "")
     t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",
               f"decode at {res.median('decode_tok_s') / res.roofline_tok_s:.0%} of it")
+    if spec is not None:
+        t.add_row(f"speculative ({spec['mode']}) tok/s", f"{spec['decode_tok_s_with']:.1f}",
+                  f"without: {spec['decode_tok_s_without']:.1f} ({spec['speedup']:.2f}x)")
+        t.add_row("acceptance · tokens/step", f"{spec['acceptance_rate']:.1%} · {spec['tokens_per_step']:.2f}",
+                  "same text" if spec["identical"] else "TEXT DIFFERS")
     stderr.print(t)
+
+
+def _speculative(m, mode: str, draft_model: str | None, prompt_tokens: int, gen_tokens: int, repeats: int) -> dict:
+    """The runner's decode without and with speculation on the bench's kind of prompt:
+    seeded random tokens whose start is repeated at the end, so prompt lookup has something
+    to find (a copy-heavy request: the model is shown text it may write again)."""
+    import numpy as np
+
+    from coli.speculate.bench import compare
+
+    if mode == "off":
+        raise fail("--speculative off: nothing to compare; pass auto, ngram or draft")
+    mode, draft = speculation(mode, draft_model, m)
+    rng = np.random.default_rng(1)
+    V = m.config.vocab_size
+    size = max(1, prompt_tokens * 2 // 3)  # a random text, then its first part again: the rest may be copied
+    prompts = []
+    for _ in range(repeats):
+        part = rng.integers(2, V, size=size).tolist()
+        prompts.append(part + part[: prompt_tokens - size])
+    try:
+        return compare(m, prompts, mode, max_tokens=gen_tokens, draft_model=draft)
+    finally:
+        if draft is not None:
+            draft.close()

@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
-                             SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
+from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+                             RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
 from coli.errors import ColiError
 from coli.scheduler.events import Error, ReasoningDelta, TextDelta
@@ -51,6 +51,8 @@ def chat(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     plain: PlainOpt = False,
     slots: SlotsOpt = 4,
     url: UrlOpt = None,
@@ -75,7 +77,8 @@ def chat(
         return
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots) as runner:
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots,
+                     speculative=speculative, draft_model=draft_model) as runner:
         if piped:
             ids = m.prompt_ids(messages_for(prompt.strip(), system))
             for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
-                             SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
+from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+                             RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, user_errors)
 
 
@@ -29,6 +29,8 @@ def run(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Answer one prompt and stream the answer to stdout.
 
@@ -46,7 +48,8 @@ def run(
     ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw)
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     last = ""
-    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, speculative=speculative,
+                     draft_model=draft_model) as runner:
         for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0):
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -16,7 +16,7 @@ from aiohttp import web
 from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
 from coli.server.prompts import FUNCTION_NAME, implicit_stops, render
@@ -234,6 +234,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         (run_stops, stop_ids), leading = implicit_stops(server), True
     spec = GenSpec([prompt.ids], max_tokens, sampling, 1, run_stops, leading, stop_ids,
                    cache_slot=P.integer(body, "cache_slot", 0), parser=lambda: prompt.parser(server))
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     try:
         await gen.start()

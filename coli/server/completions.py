@@ -10,7 +10,7 @@ from coli.errors import InvalidRequestError
 from coli.scheduler import Finished, TextDelta, TokenLogprob, Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server.openai import MAX_N, MAX_TOP_LOGPROBS, _usage, max_tokens_field, sampling_fields, template_kwargs
 from coli.server.prompts import normalize_openai, openai_tools
 from coli.server.state import server_of
@@ -66,6 +66,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     spec = GenSpec(prompts, max_tokens_field(server, body) if body.get("max_tokens") is not None else 16, sampling, n,
                    P.stop_list(body, "stop", 4), P.get(body, "x_colibri_ignore_leading_stop", bool, False),
                    logprobs=top, logit_bias=bias, cache_slot=P.integer(body, "cache_slot", 0))
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     tok = server.model.tokenizer
     echoes = [tok.decode(p) if echo else "" for p in prompts for _ in range(n)]

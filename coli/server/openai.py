@@ -18,7 +18,7 @@ from aiohttp import web
 from coli.scheduler import Finished, ReasoningDelta, TextDelta, TokenLogprob, ToolCallDelta, Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server.prompts import implicit_stops, normalize_openai, openai_tools, render
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
@@ -170,6 +170,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ignore_leading = True
     spec = GenSpec([prompt.ids], max_tokens, sampling, n, stop, ignore_leading, stop_ids,
                    (top or 0) if want_logprobs else None, bias, cache_slot, lambda: prompt.parser(server))
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     try:
         await gen.start()

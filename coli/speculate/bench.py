@@ -1,0 +1,77 @@
+"""Speculation measured: the same prompts through a Runner without and with it.
+
+``compare(model, prompts, mode)`` decodes each prompt greedily twice (speculation off,
+then ``mode``) and reports decode tok/s both ways, the acceptance rate, the mean tokens
+per decode step, and whether the texts are identical (they must be). Decode time is the
+request's wall time from its Started event to its Finished one minus its prefill
+seconds, so the runner's own per-step work (drafting, verification) is counted.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from coli.sampling import SamplingParams
+from coli.scheduler.events import Finished, Profile, Started, TextDelta, Usage
+
+
+def _one(runner, prompt: list[int], max_tokens: int) -> dict:
+    h = runner.submit(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0))
+    text, t_start, prof, usage = [], None, None, None
+    for ev in h.events(600):
+        if isinstance(ev, Started):
+            t_start = time.perf_counter()
+        elif isinstance(ev, TextDelta):
+            text.append(ev.text)
+        elif isinstance(ev, Profile):
+            prof = ev
+        elif isinstance(ev, Usage):
+            usage = ev
+        elif isinstance(ev, Finished):
+            t_end = time.perf_counter()
+    seconds = max(1e-9, t_end - t_start - prof.prefill_seconds)
+    decode_steps = max(1, prof.steps - _prefill_steps(prof, runner))
+    return dict(text="".join(text), tokens=usage.completion_tokens, seconds=seconds, steps=decode_steps,
+                drafted=prof.draft_tokens, accepted=prof.accepted_tokens)
+
+
+def _prefill_steps(prof: Profile, runner) -> int:
+    return -(-prof.prefill_tokens // runner.config.prefill_chunk) if prof.prefill_tokens else 0
+
+
+def compare(model, prompts: Sequence[Sequence[int]], mode: str = "auto", *, max_tokens: int = 64,
+            draft_model=None, repeats: int = 1) -> dict:
+    """Greedy decoding of every prompt without and with speculation ``mode`` (medians of
+    ``repeats`` rounds; each round runs both, alternating, after a warm-up request)."""
+    from coli.runner import Runner
+
+    runs = {"off": [], "on": []}
+    texts = {"off": [], "on": []}
+    with Runner(model, persist=False, speculative="off") as off, \
+            Runner(model, persist=False, speculative=mode, draft_model=draft_model) as on:
+        _one(off, list(prompts[0]), 4)
+        _one(on, list(prompts[0]), 4)
+        for r in range(repeats):
+            for p in prompts:
+                for name, runner in (("off", off), ("on", on)):
+                    res = _one(runner, list(p), max_tokens)
+                    runs[name].append(res)
+                    if r == 0:
+                        texts[name].append(res["text"])
+
+    def rate(name: str) -> float:
+        per = [x["tokens"] / x["seconds"] for x in runs[name]]
+        return statistics.median(per)
+
+    on_runs = runs["on"]
+    drafted = sum(x["drafted"] for x in on_runs)
+    accepted = sum(x["accepted"] for x in on_runs)
+    tokens = sum(x["tokens"] - 1 for x in on_runs)  # the first token comes from the prefill step
+    steps = sum(x["steps"] for x in on_runs)
+    off_tok_s, on_tok_s = rate("off"), rate("on")
+    return dict(mode=mode, prompts=len(prompts), max_tokens=max_tokens, repeats=repeats,
+                decode_tok_s_without=off_tok_s, decode_tok_s_with=on_tok_s, speedup=on_tok_s / off_tok_s,
+                acceptance_rate=accepted / drafted if drafted else 0.0, draft_tokens=drafted,
+                accepted_tokens=accepted, tokens_per_step=tokens / steps if steps else 0.0,
+                identical=texts["off"] == texts["on"])
