@@ -21,6 +21,8 @@ _coli() {
         "coli bench --repeats") COMPREPLY=(); return ;;
         "coli bench --io") COMPREPLY=(); return ;;
         "coli bench --decode") COMPREPLY=(); return ;;
+        "coli bench --speculative") COMPREPLY=(); return ;;
+        "coli bench --draft-model") COMPREPLY=(); return ;;
         "coli chat --model"|"coli chat -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli chat --max-tokens"|"coli chat -n") COMPREPLY=(); return ;;
         "coli chat --temperature") COMPREPLY=(); return ;;
@@ -34,6 +36,8 @@ _coli() {
         "coli chat --pin") COMPREPLY=(); return ;;
         "coli chat --ctx") COMPREPLY=(); return ;;
         "coli chat --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli chat --speculative") COMPREPLY=(); return ;;
+        "coli chat --draft-model") COMPREPLY=(); return ;;
         "coli chat --slots") COMPREPLY=(); return ;;
         "coli chat --url") COMPREPLY=(); return ;;
         "coli chat --api-key") COMPREPLY=(); return ;;
@@ -58,6 +62,8 @@ _coli() {
         "coli run --pin") COMPREPLY=(); return ;;
         "coli run --ctx") COMPREPLY=(); return ;;
         "coli run --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli run --speculative") COMPREPLY=(); return ;;
+        "coli run --draft-model") COMPREPLY=(); return ;;
         "coli serve --model"|"coli serve -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --host") COMPREPLY=(); return ;;
         "coli serve --port"|"coli serve -p") COMPREPLY=(); return ;;
@@ -75,6 +81,8 @@ _coli() {
         "coli serve --pin") COMPREPLY=(); return ;;
         "coli serve --ctx") COMPREPLY=(); return ;;
         "coli serve --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli serve --speculative") COMPREPLY=(); return ;;
+        "coli serve --draft-model") COMPREPLY=(); return ;;
         "coli serve --cluster") COMPREPLY=(); return ;;
         "coli serve --workers") COMPREPLY=(); return ;;
         "coli serve --worker-cpus") COMPREPLY=(); return ;;
@@ -97,6 +105,8 @@ _coli() {
         "coli web --pin") COMPREPLY=(); return ;;
         "coli web --ctx") COMPREPLY=(); return ;;
         "coli web --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli web --speculative") COMPREPLY=(); return ;;
+        "coli web --draft-model") COMPREPLY=(); return ;;
         "coli web --cluster") COMPREPLY=(); return ;;
         "coli web --workers") COMPREPLY=(); return ;;
         "coli web --worker-cpus") COMPREPLY=(); return ;;
@@ -106,16 +116,16 @@ _coli() {
     local words files=0
     case "$cmd" in
         "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
-        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json"; files=0 ;;
-        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --plain --slots --url --api-key"; files=0 ;;
+        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --speculative --draft-model"; files=0 ;;
+        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
-        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
-        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -31,7 +31,7 @@ def _one(runner, prompt: list[int], max_tokens: int) -> dict:
         elif isinstance(ev, Finished):
             t_end = time.perf_counter()
     seconds = max(1e-9, t_end - t_start - prof.prefill_seconds)
-    decode_steps = max(1, prof.steps - _prefill_steps(prof, runner))
+    decode_steps = max(1, prof.steps - _prefill_steps(prof, runner))  # (the last prefill step samples too)
     return dict(text="".join(text), tokens=usage.completion_tokens, seconds=seconds, steps=decode_steps,
                 drafted=prof.draft_tokens, accepted=prof.accepted_tokens)
 
@@ -67,11 +67,10 @@ def compare(model, prompts: Sequence[Sequence[int]], mode: str = "auto", *, max_
     on_runs = runs["on"]
     drafted = sum(x["drafted"] for x in on_runs)
     accepted = sum(x["accepted"] for x in on_runs)
-    tokens = sum(x["tokens"] - 1 for x in on_runs)  # the first token comes from the prefill step
-    steps = sum(x["steps"] for x in on_runs)
+    steps = sum(x["steps"] for x in on_runs)  # decode steps: each yields 1 + its accepted drafts
     off_tok_s, on_tok_s = rate("off"), rate("on")
     return dict(mode=mode, prompts=len(prompts), max_tokens=max_tokens, repeats=repeats,
                 decode_tok_s_without=off_tok_s, decode_tok_s_with=on_tok_s, speedup=on_tok_s / off_tok_s,
                 acceptance_rate=accepted / drafted if drafted else 0.0, draft_tokens=drafted,
-                accepted_tokens=accepted, tokens_per_step=tokens / steps if steps else 0.0,
+                accepted_tokens=accepted, tokens_per_step=1.0 + accepted / steps if steps else 0.0,
                 identical=texts["off"] == texts["on"])
