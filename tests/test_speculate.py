@@ -153,8 +153,8 @@ def _spec_counts(r) -> tuple[float, float]:
             v("colibri_scheduler_speculative_accepted_tokens_total") or 0.0)
 
 
-FAMILIES = [("qwen3_moe", None), ("llama", None), ("gemma3_text", None), ("deepseek_v3", None),
-            ("qwen3_moe", "int8"), ("llama", "int4")]
+FAMILIES = [("qwen3_moe", None), ("llama", None), ("gemma3_text", None), ("deepseek_v3", None), ("glm4_moe", None),
+            ("olmoe", "bf16"), ("qwen3_moe", "int8"), ("llama", "int4")]
 
 
 @pytest.mark.parametrize("name,quant", FAMILIES, ids=[f"{n}-{q or 'f32'}" for n, q in FAMILIES])
@@ -316,3 +316,47 @@ def test_requests_and_runners_refuse_what_cannot_run(moe, runners):
         r.submit(LOOP, speculative="sometimes")
     with pytest.raises(InvalidRequestError, match="draft model"):
         Runner(moe, speculative="draft", persist=False)
+
+
+def test_the_scheduler_keeps_only_accepted_draft_tokens_without_a_model():
+    """Policy without arrays: a plan entry with drafts, and the slot history and counts
+    after its output (accepted drafts are generated tokens; rejected ones leave no trace)."""
+    from dataclasses import replace
+
+    from coli.scheduler import Request, Scheduler, SchedulerConfig
+    from coli.scheduler.core import SeqOutput, Status
+
+    sched = Scheduler(SchedulerConfig(kv_slots=1, ctx=64))
+    req = sched.add_request(Request([1, 2, 3], max_tokens=10))
+    plan = sched.schedule()  # the prompt
+    sched.update_from_output(plan, {req.request_id: SeqOutput(7)})
+    plan = sched.schedule()
+    assert plan.seqs[0].tokens == [7]
+    plan.seqs[0] = replace(plan.seqs[0], tokens=[7, 8, 9, 10], draft=3)  # what Speculator.extend does
+    sched.update_from_output(plan, {req.request_id: SeqOutput(11, accepted=(8,))})  # 8 kept, 9 10 rejected
+    assert sched.slot_history(0) == [1, 2, 3, 7, 8]
+    assert req.generated == 3 and req.next_token == 11
+    plan = sched.schedule()
+    assert plan.seqs[0].start == 5 and plan.seqs[0].tokens == [11]
+    plan.seqs[0] = replace(plan.seqs[0], tokens=[11, 12, 13], draft=2)
+    sched.update_from_output(plan, {req.request_id: SeqOutput(None, accepted=(12, 13))})  # end of turn after both
+    assert req.status is Status.COMPLETED and req.generated == 5
+    assert sched.slot_history(0) == [1, 2, 3, 7, 8, 11, 12, 13]
+
+
+def test_cli_bench_reports_speculation_under_its_json_key(tmp_path):
+    import json
+
+    from coli import synthetic
+    from tests.test_errors import assert_one_line_error, coli_cli
+
+    tiny = synthetic.write_converted("tiny", tmp_path / "tiny-int4", "int4", seed=0)
+    r = coli_cli("bench", "--model", str(tiny), "--prompt-tokens", "12", "--gen-tokens", "24", "--repeats", "1",
+                 "--threads", "1", "--speculative", "ngram", "--json")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)["speculative"]
+    assert spec["mode"] == "ngram" and spec["identical"] is True
+    assert spec["decode_tok_s_with"] > 0 and spec["decode_tok_s_without"] > 0
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_step"] >= 1
+    assert_one_line_error(coli_cli("bench", "--model", str(tiny), "--speculative", "sometimes"), "--speculative")
+    assert_one_line_error(coli_cli("run", "hi", "--speculative", "draft"), "--draft-model")

@@ -51,6 +51,10 @@ def bench(
         raise fail("pass either --model or --synthetic, not both")
     if decode not in B.DECODE_MODES:
         raise fail(f"--decode must be one of: {', '.join(B.DECODE_MODES)}")
+    if speculative is not None:  # checked before the long part
+        from coli.speculate import resolve_mode
+
+        resolve_mode(speculative)
     opts = {k: v for k, v in dict(ram_budget=ram_budget, pin=pin).items() if v is not None}
     if synthetic:
         if synthetic not in SPECS:
