@@ -12,6 +12,7 @@ Speculating with k drafts pays when yield / relative cost > 1; the best k maximi
 from __future__ import annotations
 
 PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs this much of a 1-token step
+MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
 
 
@@ -29,26 +30,30 @@ class StepCosts:
         self.count[m] = self.count.get(m, 0) + 1
 
     def __call__(self, m: int) -> float:
-        """t(m): measured, else interpolated between measured sizes, else extrapolated with the
-        measured slope (PRIOR_SLOPE of the smallest step where only one size is known)."""
-        if m in self.mean:
+        """t(m): the mean of steps of m tokens once there are MIN_SAMPLES of them, else a
+        straight line fitted to the sizes measured so far (each weighted by its count, up
+        to 10), so one noisy step of a new size neither locks k in nor out; with one size
+        known, the line through it with PRIOR_SLOPE; with none, the prior relative costs."""
+        if self.count.get(m, 0) >= MIN_SAMPLES:
             return self.mean[m]
-        known = sorted(self.mean)
-        if not known:
-            return 1.0 + PRIOR_SLOPE * (m - 1)
-        lo = [x for x in known if x < m]
-        hi = [x for x in known if x > m]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-            return self.mean[a] + (self.mean[b] - self.mean[a]) * (m - a) / (b - a)
-        if len(known) >= 2:  # extrapolate with the slope of the two nearest sizes
-            a, b = (known[-2], known[-1]) if lo else (known[0], known[1])
-            slope = max(0.0, (self.mean[b] - self.mean[a]) / (b - a))
-            base = b if lo else a
-            return max(1e-9, self.mean[base] + slope * (m - base))
-        (x,) = known
-        t1 = self.mean[x] / (1.0 + PRIOR_SLOPE * (x - 1))
-        return t1 * (1.0 + PRIOR_SLOPE * (m - 1))
+        a, b = self._line()
+        return max(1e-9, a + b * (m - 1))
+
+    def _line(self) -> tuple[float, float]:
+        """(t(1), slope) of the weighted least-squares line through the measured means."""
+        pts = [(x - 1.0, self.mean[x], float(min(self.count[x], 10))) for x in self.mean]
+        if not pts:
+            return 1.0, PRIOR_SLOPE
+        if len(pts) == 1:
+            (x, t, _), = pts
+            t1 = t / (1.0 + PRIOR_SLOPE * x)
+            return t1, PRIOR_SLOPE * t1
+        w = sum(p[2] for p in pts)
+        mx = sum(p[0] * p[2] for p in pts) / w
+        mt = sum(p[1] * p[2] for p in pts) / w
+        var = sum(p[2] * (p[0] - mx) ** 2 for p in pts)
+        slope = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - mt) for p in pts) / var)
+        return max(1e-9, mt - slope * mx), slope
 
 
 class Acceptance:
