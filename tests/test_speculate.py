@@ -360,3 +360,17 @@ def test_cli_bench_reports_speculation_under_its_json_key(tmp_path):
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_step"] >= 1
     assert_one_line_error(coli_cli("bench", "--model", str(tiny), "--speculative", "sometimes"), "--speculative")
     assert_one_line_error(coli_cli("run", "hi", "--speculative", "draft"), "--draft-model")
+
+
+def test_the_tui_profile_pane_shows_drafts_accepted():
+    from coli.tui.stats import TurnStats
+    from coli.tui.widgets import render_profile
+
+    plain = render_profile(TurnStats(seconds=1.0, completion_tokens=20, decode_seconds=1.0)).plain
+    assert "speculative" not in plain
+    spec = render_profile(TurnStats(seconds=1.0, completion_tokens=20, decode_seconds=1.0, draft_tokens=16,
+                                    accepted_tokens=12)).plain
+    assert "speculative: 12/16 drafts accepted (75%)" in spec
+    turn = TurnStats.from_server({"completion_tokens": 20, "tokens_per_second": 20.0, "draft_tokens": 16,
+                                  "accepted_tokens": 12})
+    assert (turn.draft_tokens, turn.accepted_tokens) == (16, 12)
