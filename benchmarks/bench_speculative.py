@@ -66,8 +66,9 @@ def main(argv=None) -> int:
             res = compare(model, [ids], mode, max_tokens=a.max_tokens, repeats=a.repeats, draft_model=draft)
             res.update(workload=name, prompt_tokens=len(ids))
             rows.append(res)
-            print(f"{mode:6} {name:26} {res['decode_tok_s_without']:8.1f} -> {res['decode_tok_s_with']:8.1f} tok/s "
-                  f"{res['speedup']:5.2f}x  accept {res['acceptance_rate']:5.1%}  {res['tokens_per_step']:.2f} tok/step"
+            print(f"{mode:6} {name:26} wall {res['decode_tok_s_without']:7.1f} -> {res['decode_tok_s_with']:7.1f} tok/s "
+                  f"{res['speedup']:5.2f}x  cpu {res['tok_per_cpu_s_without']:7.1f} -> {res['tok_per_cpu_s_with']:7.1f} "
+                  f"{res['speedup_cpu']:5.2f}x  accept {res['acceptance_rate']:5.1%}  {res['tokens_per_step']:.2f} tok/step"
                   f"  {'same text' if res['identical'] else 'TEXT DIFFERS'}", file=sys.stderr)
     meta = dict(model=str(Path(model.path)), threads=a.threads, simd=K.simd_name(),
                 quant=getattr(model.weights, "quant", "f32"), max_tokens=a.max_tokens, repeats=a.repeats)

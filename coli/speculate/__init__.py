@@ -24,6 +24,7 @@ a named source always drafts (k chosen by the cost model, at least 1). ``off``: 
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -74,6 +75,7 @@ class Speculator:
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self._step = 0
+        self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
 
     @classmethod
     def create(cls, runner, mode: str | None = None, draft_model=None, **kw) -> Speculator:
@@ -106,36 +108,52 @@ class Speculator:
     def extend(self, plan) -> None:
         """Append draft tokens to the plan's decoding entries (in place). Steps that
         prefill a prompt get none: the prompt's tokens dominate their cost."""
+        try:
+            self._extend(plan)
+        finally:
+            self._cpu0 = time.thread_time()
+
+    def _extend(self, plan) -> None:
         self._step += 1
         seqs = plan.seqs
         if any(s.request.prefilling or not s.sample or s.draft for s in seqs):
             return
         m = len(seqs)
-        wanted = []  # (index, state, k)
+        wanted = []  # (index, state, k): draft-model requests, drafted together below
         for i, s in enumerate(seqs):
             req = s.request
             st = self._state(req)
             if st is None or req.cancel_requested:
                 continue
             limit = min(self.max_k, req.max_tokens - req.generated - 1, self.runner.ctx - s.start - 2)
-            if limit < 1:
+            if limit < 1 or (st.adaptive and self.fixed_k is None and self._step < st.off_until):
+                continue
+            if st.source == "ngram":  # a lookup costs next to nothing: look first, then decide how much pays
+                d = st.ngram.propose(st.ctx, limit)
+                k = self._choose(st, m, len(d)) if d else 0
+                if k:
+                    seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
+                    m += k
                 continue
             k = self._choose(st, m, limit)
             if k:
                 wanted.append((i, st, k))
                 m += k
-        if not wanted:
-            return
-        drafts = self._propose(seqs, wanted)
-        for (i, st, k), d in zip(wanted, drafts):
-            if d:
-                s = seqs[i]
-                seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=len(d[:k]))
+        if wanted:
+            for (i, st, k), d in zip(wanted, self.draft.propose([(seqs[i].slot, st.ctx, k) for i, st, k in wanted])):
+                if d:
+                    s = seqs[i]
+                    seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=len(d[:k]))
 
     def observe(self, plan, seconds: float) -> None:
-        """Learn the step time of a decode step of M tokens (prefill steps are not counted)."""
+        """Learn the step time of a decode step of M tokens (prefill steps are not counted).
+        The runner thread's CPU time since ``extend`` is used rather than the wall ``seconds``:
+        on a busy machine the wall time mostly measures how long the thread waited for a core.
+        (The kernels' other threads are not counted; the calling thread takes part in every
+        parallel region, so its CPU time follows the step's length.)"""
+        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
-            self.costs.observe(sum(len(s.tokens) for s in plan.seqs), seconds)
+            self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
     def verify(self, req, s, rows, sample):
         """The SeqOutput of an entry with drafts: ``rows`` its logits (one per token),
@@ -191,17 +209,3 @@ class Speculator:
             st.backoff = min(st.backoff * 2, MAX_BACKOFF)
         st.probing, st.off_until = False, self._step + st.backoff
         return 0
-
-    def _propose(self, seqs, wanted) -> list[list[int]]:
-        out: list[list[int] | None] = [None] * len(wanted)
-        batch = []
-        for j, (i, st, k) in enumerate(wanted):
-            if st.source == "ngram":
-                out[j] = st.ngram.propose(st.ctx, k)
-            else:
-                batch.append((j, i, st, k))
-        if batch:
-            got = self.draft.propose([(seqs[i].slot, st.ctx, k) for _, i, st, k in batch])
-            for (j, *_), d in zip(batch, got):
-                out[j] = d
-        return [d or [] for d in out]

@@ -11,37 +11,59 @@ Speculating with k drafts pays when yield / relative cost > 1; the best k maximi
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs this much of a 1-token step
+WINDOW = 15  # recent steps per size that the median is taken over
 MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
 
 
 class StepCosts:
-    """Mean seconds of a step by its tokens M (decode steps only), as exponential averages."""
+    """Seconds of a decode step by its tokens M: the median of the last WINDOW steps of each
+    size (robust to the spikes a shared machine adds to some steps)."""
 
-    def __init__(self, alpha: float = 0.2):
-        self.alpha = alpha
-        self.mean: dict[int, float] = {}
-        self.count: dict[int, int] = {}
+    def __init__(self, window: int = WINDOW):
+        self.samples: dict[int, deque[float]] = {}
+        self.window = window
+        self._known: dict[int, float] = {}  # t(m) computed since the last observation
+        self._fit: tuple[float, float] | None = None
+
+    @property
+    def mean(self) -> dict[int, float]:
+        return {m: statistics.median(q) for m, q in self.samples.items()}
+
+    @property
+    def count(self) -> dict[int, int]:
+        return {m: len(q) for m, q in self.samples.items()}
 
     def observe(self, m: int, seconds: float) -> None:
-        old = self.mean.get(m)
-        self.mean[m] = seconds if old is None else old + self.alpha * (seconds - old)
-        self.count[m] = self.count.get(m, 0) + 1
+        self.samples.setdefault(m, deque(maxlen=self.window)).append(seconds)
+        self._known.clear()
+        self._fit = None
 
     def __call__(self, m: int) -> float:
         """t(m): the mean of steps of m tokens once there are MIN_SAMPLES of them, else a
         straight line fitted to the sizes measured so far (each weighted by its count, up
         to 10), so one noisy step of a new size neither locks k in nor out; with one size
         known, the line through it with PRIOR_SLOPE; with none, the prior relative costs."""
-        if self.count.get(m, 0) >= MIN_SAMPLES:
-            return self.mean[m]
-        a, b = self._line()
-        return max(1e-9, a + b * (m - 1))
+        t = self._known.get(m)
+        if t is None:
+            q = self.samples.get(m)
+            if q is not None and len(q) >= MIN_SAMPLES:
+                t = statistics.median(q)
+            else:
+                if self._fit is None:
+                    self._fit = self._line()
+                a, b = self._fit
+                t = max(1e-9, a + b * (m - 1))
+            self._known[m] = t
+        return t
 
     def _line(self) -> tuple[float, float]:
         """(t(1), slope) of the weighted least-squares line through the measured means."""
-        pts = [(x - 1.0, self.mean[x], float(min(self.count[x], 10))) for x in self.mean]
+        pts = [(x - 1.0, statistics.median(q), float(min(len(q), 10))) for x, q in self.samples.items()]
         if not pts:
             return 1.0, PRIOR_SLOPE
         if len(pts) == 1:
@@ -60,7 +82,7 @@ class Acceptance:
     """One request's draft acceptance: decayed counts of accepted draft tokens and of
     rejections (a verification stops at its first rejected token)."""
 
-    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0):
+    def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0):
         self.accepted, self.rejected = prior_accepted, prior_rejected
         self.drafted_total = self.accepted_total = self.steps = 0
 
