@@ -175,7 +175,7 @@ class Runner:
         into reasoning, text and tool-call events. ``speculative``: this request's
         coli.speculate mode ("auto", "off", "ngram", "draft", "mtp"; None: the runner's)."""
         ids = self._check_prompt(prompt)
-        Speculator.check_request(self.speculator, speculative)
+        self.speculator.check_request(speculative)
         if sampling is None:
             sampling = self.model.sampling_params()
         sampling.validate()

@@ -68,6 +68,9 @@ class _State:
 
 
 class Speculator:
+    """One runner's speculation: per-request states (weakly keyed by Request), the step
+    cost model shared by its requests, and the draft model's caches when there is one."""
+
     def __init__(self, runner, mode: str, draft=None, max_k: int = MAX_K, fixed_k: int | None = None):
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
