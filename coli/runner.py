@@ -140,7 +140,7 @@ class Runner:
         self.metrics = metrics or SchedulerMetrics()
         self.steps = 0  # engine steps run (front ends use it to tell what changed)
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
-        # speculative decoding (None: off): drafts appended to decoding entries, verified in _step
+        # speculative decoding (coli.speculate): drafts appended to decoding entries, verified in _step
         self.speculator = Speculator.create(self, speculative, draft_model)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
         # The kernels run on the runner's thread from now on: retire the OpenMP workers this
