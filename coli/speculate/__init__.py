@@ -153,8 +153,10 @@ class Speculator:
         The runner thread's CPU time since ``extend`` is used rather than the wall ``seconds``:
         on a busy machine the wall time mostly measures how long the thread waited for a core.
         (The kernels' other threads are not counted; the calling thread takes part in every
-        parallel region, so its CPU time follows the step's length.)"""
+        parallel region, so its CPU time follows the step's length.) Time spent waiting for
+        experts to arrive from disk is added: a verification step may read more of them."""
         cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
+        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
             self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
