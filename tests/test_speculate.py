@@ -374,3 +374,92 @@ def test_the_tui_profile_pane_shows_drafts_accepted():
     turn = TurnStats.from_server({"completion_tokens": 20, "tokens_per_second": 20.0, "draft_tokens": 16,
                                   "accepted_tokens": 12})
     assert (turn.draft_tokens, turn.accepted_tokens) == (16, 12)
+
+
+# -- MTP: DeepSeek-V3 / GLM-4.5 next-token layers ------------------------------------------------
+
+def _with_mtp(tmp_path, arch: str):
+    """A tiny seeded checkpoint of ``arch`` plus an MTP layer: transformers builds the model
+    with one layer more, whose weights become model.layers.{n} (the MTP block), and the MTP
+    projections (enorm, hnorm, eh_proj, shared_head) are added, seeded. Returns (dir, the
+    transformers model with the extra layer, the MTP tensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import ARCHS, make_hf_model
+
+    mt, ov = ARCHS[arch]
+    n = ov.get("num_hidden_layers", 2)
+    out = tmp_path / f"{arch}-mtp"
+    big = make_hf_model(mt, out, **{**ov, "num_hidden_layers": n + 1})
+    H, V = big.config.hidden_size, big.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(H, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+             "eh_proj.weight": 0.08 * torch.randn(H, 2 * H, generator=g),
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+             "shared_head.head.weight": 0.08 * torch.randn(V, H, generator=g)}
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({f"model.layers.{n}.{k}": v.contiguous() for k, v in extra.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, big, extra
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_drafts_are_the_mtp_layer_and_greedy_output_is_unchanged(arch, tmp_path, runners):
+    import torch
+
+    path, big, extra = _with_mtp(tmp_path, arch)
+    model = coli.load(path, threads=1)
+    n = model.config.num_hidden_layers
+    # the MTP layer against transformers' own decoder layer (the checkpoint's layer n) and the
+    # MTP formula: entry i = block(eh_proj([enorm(embed(tok[i+1])), hnorm(norm(h[i]))]))
+    ids = LOOP[:12]
+    with torch.no_grad():
+        hs = big(torch.tensor([ids]), output_hidden_states=True).hidden_states[n]  # (1, T, H): after n layers
+        hnormed = big.model.norm(hs)[0]
+        emb = big.model.embed_tokens(torch.tensor(ids[1:]))
+
+        def rms(x, w, eps=big.config.rms_norm_eps):
+            return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+        e = torch.cat([rms(emb, extra["enorm.weight"]), rms(hnormed[:-1], extra["hnorm.weight"])], -1)
+        e = (e @ extra["eh_proj.weight"].T)[None]
+        pos = torch.arange(e.shape[1])[None]
+        layer = big.model.layers[n]
+        mask = torch.full((e.shape[1], e.shape[1]), float("-inf")).triu(1)[None, None]
+        out = layer(e, attention_mask=mask, position_ids=pos,
+                    position_embeddings=big.model.rotary_emb(e, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        want = (rms(out[0], extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T).numpy()
+    spec = runners(model, "mtp")
+    mtp = spec.speculator.mtp
+    cache = model.engine.new_cache()
+    slot = 0
+    model.engine.step([(cache, ids)])
+    from coli.scheduler.core import ScheduledSeq, StepPlan
+
+    mtp.capture(StepPlan(1, [ScheduledSeq(None, slot, 0, ids, True)]))
+    batch, rows = model.engine._batch([(mtp.caches[slot], ids[1:])], True)
+    mtp.caches[slot].reserve(len(ids))
+    got = mtp._forward(batch, np.stack([mtp.hidden[slot][i] for i in range(len(ids) - 1)]), rows)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
+    # through the runner: drafts are made, verified, and change nothing
+    plain, spec = runners(model, "off"), runners(model, "mtp")
+    for prompt in (LOOP, LOOP[::-1]):
+        assert run(spec, prompt, max_tokens=30)[:3] == run(plain, prompt, max_tokens=30)[:3]
+    assert _spec_counts(spec)[0] > 0
+    with pytest.raises(InvalidRequestError, match="multi-token"):
+        runners(coli.load(hf_path_without_mtp(tmp_path, arch), threads=1), "auto").submit(LOOP, speculative="mtp")
+
+
+def hf_path_without_mtp(tmp_path, arch):
+    from conftest import ARCHS, make_hf_model
+
+    mt, ov = ARCHS[arch]
+    make_hf_model(mt, tmp_path / f"{arch}-plain", **ov)
+    return tmp_path / f"{arch}-plain"

@@ -37,7 +37,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     speculative: Annotated[Optional[str], typer.Option(
         "--speculative", help="Also decode the prompts through the runner without and with this speculative mode "
-                              "(auto, ngram, draft): acceptance rate, tokens per step, tok/s both ways.")] = None,
+                              "(auto, ngram, draft, mtp): acceptance rate, tokens per step, tok/s both ways.")] = None,
     draft_model: DraftModelOpt = None,
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
@@ -120,7 +120,7 @@ def _speculative(m, mode: str, draft_model: str | None, prompt_tokens: int, gen_
     from coli.speculate.bench import compare
 
     if mode == "off":
-        raise fail("--speculative off: nothing to compare; pass auto, ngram or draft")
+        raise fail("--speculative off: nothing to compare; pass auto, ngram, draft or mtp")
     mode, draft = speculation(mode, draft_model, m)
     rng = np.random.default_rng(1)
     V = m.config.vocab_size

@@ -53,8 +53,9 @@ PersistOpt = Annotated[bool, typer.Option(
     "--kv-persist/--no-kv-persist", help="Save KV slots so a restart reuses cached prefixes.")]
 SpeculativeOpt = Annotated[Optional[str], typer.Option(
     "--speculative", envvar="COLI_SPECULATIVE", show_envvar=True,
-    help="Speculative decoding (same output, more tokens per pass over the weights): auto (prompt lookup, or "
-         "the draft model; off per request when it does not pay), off, ngram, draft. Default: auto.")]
+    help="Speculative decoding (same output, more tokens per pass over the weights): auto (the model's MTP "
+         "layers, else the draft model, else prompt lookup; off per request when it does not pay), off, ngram, "
+         "draft, mtp. Default: auto.")]
 DraftModelOpt = Annotated[Optional[str], typer.Option(
     "--draft-model", envvar="COLI_DRAFT_MODEL", show_envvar=True,
     help="A small model with the same tokenizer that drafts tokens for --speculative draft (and auto).")]

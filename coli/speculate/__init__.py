@@ -15,8 +15,9 @@ history is cut back, the runner truncates the cache to it on the next step), so 
 reuse and KV persistence see exactly what decoding without speculation would have left.
 
 Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
-``draft`` (a small model with the same tokenizer, coli.speculate.draft_model); ``mtp``
-(DeepSeek-V3 / GLM-4.5 next-token layers) is not implemented yet. ``auto`` takes the best
+``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
+(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp; one
+draft per step). ``auto`` takes the best
 available source and switches itself off per request while the cost model
 (coli.speculate.cost) says a verification step costs more than its expected yield;
 a named source always drafts (k chosen by the cost model, at least 1). ``off``: never.
@@ -57,7 +58,7 @@ def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:
 class _State:
     """One request's speculation: its source, acceptance, and the auto switch."""
 
-    source: str  # "ngram" or "draft"
+    source: str  # "ngram", "draft" or "mtp"
     adaptive: bool  # auto: may switch itself off
     ctx: list[int]  # prompt + output so far (the drafter's context)
     ngram: NgramDrafter = field(default_factory=NgramDrafter)
@@ -77,6 +78,7 @@ class Speculator:
         self.costs = StepCosts()
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
+        self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
         self._step = 0
         self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
 
@@ -84,6 +86,8 @@ class Speculator:
     def create(cls, runner, mode: str | None = None, draft_model=None, **kw) -> Speculator:
         """The runner's speculator for ``mode`` (None: $COLI_SPECULATIVE, else off).
         ``draft_model``: a loaded coli.Model sharing the runner model's tokenizer."""
+        from coli.speculate import mtp
+
         mode = resolve_mode(mode, default="off")
         draft = None
         if draft_model is not None:
@@ -91,6 +95,8 @@ class Speculator:
 
             draft = DraftSource(runner.model, draft_model, runner.config.kv_slots)
         spec = cls(runner, mode, draft, **kw)
+        if mode == "mtp" or (mode == "auto" and mtp.available(runner.model)):
+            spec.mtp = mtp.MTPSource(runner.model, runner.config.kv_slots)
         spec.check_request(mode)
         return spec
 
@@ -100,9 +106,10 @@ class Speculator:
             return
         if mode not in MODES:
             raise InvalidRequestError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "mtp":
-            raise InvalidRequestError("speculative mode 'mtp' is not available: multi-token-prediction layers "
-                                      "are not loaded by this build (use ngram, draft or auto)")
+        if mode == "mtp" and self.mtp is None:
+            raise InvalidRequestError("speculative mode 'mtp' is not available: the model has no multi-token-"
+                                      "prediction layers loaded (a DeepSeek-V3 or GLM-4.5 checkpoint with "
+                                      "num_nextn_predict_layers, served with --speculative mtp or auto)")
         if mode == "draft" and self.draft is None:
             raise InvalidRequestError("speculative mode 'draft' needs a draft model (--draft-model DIR)")
 
@@ -138,12 +145,18 @@ class Speculator:
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
                     m += k
                 continue
+            if st.source == "mtp":
+                limit = 1  # one next-token layer: one draft per step
             k = self._choose(st, m, limit)
             if k:
                 wanted.append((i, st, k))
                 m += k
-        if wanted:
-            for (i, st, k), d in zip(wanted, self.draft.propose([(seqs[i].slot, st.ctx, k) for i, st, k in wanted])):
+        for source in ("draft", "mtp"):
+            batch = [(i, st, k) for i, st, k in wanted if st.source == source]
+            if not batch:
+                continue
+            got = getattr(self, source).propose([(seqs[i].slot, st.ctx, k) for i, st, k in batch])
+            for (i, st, k), d in zip(batch, got):
                 if d:
                     s = seqs[i]
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=len(d[:k]))
@@ -157,6 +170,8 @@ class Speculator:
         experts to arrive from disk is added: a verification step may read more of them."""
         cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
         cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
+        if self.mtp is not None:
+            self.mtp.capture(plan)  # the hidden states the MTP layer drafts from
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
             self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
@@ -189,7 +204,8 @@ class Speculator:
         mode = g.speculative or self.mode
         st = None
         if mode != "off" and g.score_from is None:
-            source = "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram"
+            source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
+                      "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
             st = _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated])
         self._states[req] = st
         return st
@@ -200,7 +216,7 @@ class Speculator:
             return min(self.fixed_k, limit)
         if st.adaptive and self._step < st.off_until:
             return 0
-        cost = self.draft.seconds_per_token if st.source == "draft" else 0.0
+        cost = 0.0 if st.source == "ngram" else getattr(self, st.source).seconds_per_token
         k, gain = best_k(st.acc.rate, self.costs, m, limit, cost)
         if not st.adaptive:
             return max(1, k)
