@@ -1,8 +1,9 @@
 """Speculative decoding (coli.speculate): drafts verified in one multi-token step give
 token for token what decoding without them gives (greedy, and seeded sampling), across
-architecture families, weight formats, draft sources, batching, stop strings, max_tokens
-and slot reuse; the KV a slot keeps is exactly the non-speculative one; sampled
-speculation keeps the target distribution (chi-square bounds with fixed seeds)."""
+architecture families, weight formats, draft sources (prompt lookup, a draft model, MTP
+layers), batching, stop strings, max_tokens and slot reuse; the KV a slot keeps is exactly
+the non-speculative one; sampled speculation keeps the target distribution (chi-square
+bounds with fixed seeds); the MTP layer matches transformers' decoder layer."""
 from __future__ import annotations
 
 import numpy as np
@@ -443,7 +444,7 @@ def test_mtp_drafts_are_the_mtp_layer_and_greedy_output_is_unchanged(arch, tmp_p
     model.engine.step([(cache, ids)])
     from coli.scheduler.core import ScheduledSeq, StepPlan
 
-    mtp.capture(StepPlan(1, [ScheduledSeq(None, slot, 0, ids, True)]))
+    mtp.capture(StepPlan(1, [ScheduledSeq(None, slot, 0, ids, True)]), lambda req: True)
     batch, rows = model.engine._batch([(mtp.caches[slot], ids[1:])], True)
     mtp.caches[slot].reserve(len(ids))
     got = mtp._forward(batch, np.stack([mtp.hidden[slot][i] for i in range(len(ids) - 1)]), rows)

@@ -171,7 +171,7 @@ class Speculator:
         cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
         cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if self.mtp is not None:
-            self.mtp.capture(plan)  # the hidden states the MTP layer drafts from
+            self.mtp.capture(plan, self._may_use_mtp)  # the hidden states the MTP layer drafts from
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
             self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
@@ -192,6 +192,10 @@ class Speculator:
         return out
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _may_use_mtp(self, req) -> bool:
+        g = req.payload
+        return g.score_from is None and (g.speculative or self.mode) in ("auto", "mtp")
 
     def _state(self, req) -> _State | None:
         if req in self._states:

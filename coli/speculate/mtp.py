@@ -71,17 +71,20 @@ class MTPSource:
         self.rs = RunState()
         self.seconds_per_token = 0.0  # measured: one MTP forward per drafted token
 
-    def capture(self, plan) -> None:
-        """Keep the normed final hidden state of every token the step just computed."""
+    def capture(self, plan, wanted=lambda req: True) -> None:
+        """Keep the normed final hidden state of every token the step just computed for the
+        requests that ``wanted(request)`` says may draft with MTP (at most the context's
+        worth of rows per slot: a position computed again replaces its row)."""
         M = sum(len(s.tokens) for s in plan.seqs)
         x = self.engine.run_state.views(self.net, M, self.net.bufs)[0]  # (M, H): the final residual stream
         h = np.empty((M, self.H), np.float32)
         K.rmsnorm(x, self.net.norm, self.eps, h, self.net.unit_offset_norm)
         row = 0
         for s in plan.seqs:
-            store = self.hidden[s.slot]
-            for j in range(len(s.tokens)):
-                store[s.start + j] = h[row + j]
+            if wanted(s.request):
+                store = self.hidden[s.slot]
+                for j in range(len(s.tokens)):
+                    store[s.start + j] = h[row + j]
             row += len(s.tokens)
 
     def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
