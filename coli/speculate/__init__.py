@@ -129,7 +129,7 @@ class Speculator:
         if any(s.request.prefilling or not s.sample or s.draft for s in seqs):
             return
         m = len(seqs)
-        wanted = []  # (index, state, k): draft-model requests, drafted together below
+        wanted = []  # (index, state, k): draft-model and MTP requests, drafted together below
         for i, s in enumerate(seqs):
             req = s.request
             st = self._state(req)
