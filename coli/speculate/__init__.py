@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
-from coli.speculate.cost import Acceptance, StepCosts, best_k
+from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, Acceptance, StepCosts, best_k
 from coli.speculate.metrics import SpeculativeMetrics
 from coli.speculate.ngram import NgramDrafter
 from coli.speculate.verify import accept_run
@@ -75,7 +75,8 @@ class Speculator:
     def __init__(self, runner, mode: str, draft=None, max_k: int = MAX_K, fixed_k: int | None = None):
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
-        self.costs = StepCosts()
+        streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
+        self.costs = StepCosts(prior_slope=STREAMED_PRIOR_SLOPE if streamed else PRIOR_SLOPE)
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)

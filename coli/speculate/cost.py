@@ -15,6 +15,7 @@ import statistics
 from collections import deque
 
 PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs this much of a 1-token step
+STREAMED_PRIOR_SLOPE = 0.8  # ... when experts stream from disk: each token may need experts read for it alone
 WINDOW = 15  # recent steps per size that the median is taken over
 MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
@@ -24,9 +25,9 @@ class StepCosts:
     """Seconds of a decode step by its tokens M: the median of the last WINDOW steps of each
     size (robust to the spikes a shared machine adds to some steps)."""
 
-    def __init__(self, window: int = WINDOW):
+    def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE):
         self.samples: dict[int, deque[float]] = {}
-        self.window = window
+        self.window, self.prior_slope = window, prior_slope
         self._known: dict[int, float] = {}  # t(m) computed since the last observation
         self._fit: tuple[float, float] | None = None
 
@@ -47,7 +48,7 @@ class StepCosts:
         """t(m): the mean of steps of m tokens once there are MIN_SAMPLES of them, else a
         straight line fitted to the sizes measured so far (each weighted by its count, up
         to 10), so one noisy step of a new size neither locks k in nor out; with one size
-        known, the line through it with PRIOR_SLOPE; with none, the prior relative costs."""
+        known, the line through it with the prior slope; with none, the prior relative costs."""
         t = self._known.get(m)
         if t is None:
             q = self.samples.get(m)
@@ -65,11 +66,11 @@ class StepCosts:
         """(t(1), slope) of the weighted least-squares line through the measured means."""
         pts = [(x - 1.0, statistics.median(q), float(min(len(q), 10))) for x, q in self.samples.items()]
         if not pts:
-            return 1.0, PRIOR_SLOPE
+            return 1.0, self.prior_slope
         if len(pts) == 1:
             (x, t, _), = pts
-            t1 = t / (1.0 + PRIOR_SLOPE * x)
-            return t1, PRIOR_SLOPE * t1
+            t1 = t / (1.0 + self.prior_slope * x)
+            return t1, self.prior_slope * t1
         w = sum(p[2] for p in pts)
         mx = sum(p[0] * p[2] for p in pts) / w
         mt = sum(p[1] * p[2] for p in pts) / w
