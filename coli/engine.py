@@ -174,11 +174,12 @@ class Engine:
     def new_cache(self, capacity: int = 64) -> KVCache:
         return KVCache(self.cfg.num_hidden_layers, self._kw, self._vw, capacity)
 
-    def step(self, entries: list[tuple[KVCache, list[int]]], all_logits: bool = False) -> np.ndarray:
+    def step(self, entries: list[tuple[KVCache, list[int]]], all_logits: bool | list[bool] = False) -> np.ndarray:
         """Append entries' tokens to their caches in one forward pass.
 
         Returns float32 logits: one row per entry (its last token), or one per token
-        when all_logits. The array is the engine's buffer: valid until the next step."""
+        when all_logits (a list: per entry, in order). The array is the engine's buffer:
+        valid until the next step."""
         for cache, toks in entries:
             if not toks:
                 raise InvalidRequestError("a step entry has no tokens")
@@ -216,20 +217,21 @@ class Engine:
         self.totals += self.last
         return logits
 
-    def _batch(self, entries: list[tuple[KVCache, list[int]]], all_logits: bool) -> tuple[Batch, np.ndarray]:
+    def _batch(self, entries: list[tuple[KVCache, list[int]]], all_logits) -> tuple[Batch, np.ndarray]:
         """The Batch of a step and the rows whose logits it returns."""
         V = self.cfg.vocab_size
         ids, pos, kp, vp, rows = [], [], [], [], []
         n = 0
-        for cache, toks in entries:
+        for e, (cache, toks) in enumerate(entries):
             start, T = len(cache), len(toks)
+            every = all_logits if isinstance(all_logits, bool) else all_logits[e]
             kl, vl = cache.layer_ptrs()
             ids.append(np.asarray(toks, dtype=np.int64))
             pos.append(np.arange(start, start + T, dtype=np.int32))
             kp.append(np.repeat(kl, T, axis=1))  # (L, T)
             vp.append(np.repeat(vl, T, axis=1))
             n += T
-            rows.append(np.arange(n - T, n) if all_logits else np.array([n - 1]))
+            rows.append(np.arange(n - T, n) if every else np.array([n - 1]))
         flat = np.concatenate(ids)
         if flat.min() < 0 or flat.max() >= V:
             bad = int(flat[(flat < 0) | (flat >= V)][0])

@@ -35,6 +35,7 @@ from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, 
 from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, Profile, PromptLogprobs, Routing,
                                    Started, TextDelta, TokenLogprob, Usage)
 from coli.scheduler.stream import RequestHandle
+from coli.speculate import Speculator
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer
 
@@ -102,6 +103,9 @@ class _Generation:
     guided: grammar.GuidedState | None = None  # a constraint (coli.grammar): masks and forced tokens
     branches: tuple | None = None  # a batched scoring request: coli.scoring.Questions read after the prompt
     scores: list[float] = field(default_factory=list)
+    speculative: str | None = None  # this request's --speculative override (coli.speculate)
+    draft_tokens: int = 0  # speculative tokens verified
+    accepted_tokens: int = 0  # ... and accepted
     text_seen: bool = False  # non-whitespace text was produced
     generated: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -125,7 +129,8 @@ class Runner:
     def __init__(self, model, *, kv_slots: int | None = None, max_queue: int | None = None,
                  queue_timeout: float | None = None, ctx: int | None = None, prefill_chunk: int = 256,
                  kv_dir: str | Path | None = None, persist: bool = True, metrics: SchedulerMetrics | None = None,
-                 notice: Callable[[str], None] | None = None, fold_forced: bool = True):
+                 notice: Callable[[str], None] | None = None, fold_forced: bool = True,
+                 speculative: str | None = None, draft_model=None):
         self.model, self.engine, self.tokenizer = model, model.engine, model.tokenizer
         self.notice = notice or log.info
         base = SchedulerConfig.from_env(kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout)
@@ -145,6 +150,8 @@ class Runner:
         self._vocabulary = None
         self._scorer = None  # coli.scoring.BranchScorer, made on the first batched scoring request
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
+        # speculative decoding (coli.speculate): drafts appended to decoding entries, verified in _step
+        self.speculator = Speculator.create(self, speculative, draft_model)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
         # The kernels run on the runner's thread from now on: retire the OpenMP workers this
         # thread started (loading runs kernels), or libgomp, counting more threads than cores,
@@ -158,7 +165,8 @@ class Runner:
                stop: str | Sequence[str] | None = None, cache_slot: int | None = None, routing: bool = False,
                request_id: str | None = None, ignore_leading_stop: bool = False,
                stop_token_ids: Collection[int] = (), logprobs: int | None = None,
-               logit_bias: Mapping[int, float] | None = None, parser=None, constraint=None) -> RequestHandle:
+               logit_bias: Mapping[int, float] | None = None, parser=None, constraint=None,
+               speculative: str | None = None) -> RequestHandle:
         """Queue a generation for prompt token ids; returns its handle at once.
 
         Raises (before any event) InvalidRequestError for bad input,
@@ -176,8 +184,10 @@ class Runner:
         ``finish_reason(reason)``, e.g. coli.chat_format.OutputParser, that turns the text
         into reasoning, text and tool-call events. ``constraint``: a coli.grammar.Constraint
         the answer must match (token masks before sampling, forced tokens fed at once; raises
-        its GrammarError when it does not compile)."""
+        its GrammarError when it does not compile). ``speculative``: this request's
+        coli.speculate mode ("auto", "off", "ngram", "draft", "mtp"; None: the runner's)"""
         ids = self._check_prompt(prompt)
+        self.speculator.check_request(speculative)
         if sampling is None:
             sampling = self.model.sampling_params()
         sampling.validate()
@@ -198,7 +208,7 @@ class Runner:
         req.payload = _Generation(handle, Sampler(sampling), StopMatcher(stop, ignore_leading_stop),
                                   IncrementalDetokenizer(self.tokenizer), routing, parser=parser,
                                   stop_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs, bias=bias,
-                                  guided=guided)
+                                  guided=guided, speculative=speculative)
         self.scheduler.add_request(req)
         return handle
 
@@ -331,6 +341,8 @@ class Runner:
         try:
             while True:
                 plan = sched.schedule()
+                if plan and self.speculator is not None:
+                    self.speculator.extend(plan)  # draft tokens onto decoding entries
                 if not plan:
                     if sched.closed:
                         return
@@ -357,19 +369,22 @@ class Runner:
         # a scoring request needs the logits of every scored position, not only the last
         scoring = any(s.request.payload.score_from is not None
                       and s.start + len(s.tokens) >= s.request.payload.score_from for s in plan.seqs)
+        every = [scoring or s.draft > 0 for s in plan.seqs]  # entries that get a logits row per token
         t0 = time.perf_counter()
         self._masks.start(grammar.due(plan))  # constrained sequences' masks, while the engine runs
         try:
-            logits = self.engine.step(entries, all_logits=scoring)  # (entries or tokens, vocab)
+            logits = self.engine.step(entries, all_logits=every if any(every) else False)  # (rows, vocab)
         finally:
             self._masks.wait()
         seconds = time.perf_counter() - t0
         self.steps += 1
+        if self.speculator is not None:
+            self.speculator.observe(plan, seconds)
         stats = self.engine.last
         routed = stats.routed
         phases = {field_: getattr(stats, attr, 0) for attr, field_ in PHASES.items()}
-        picks = None if scoring else _greedy_picks(plan, logits)
-        outputs, row, branching = {}, 0, []
+        picks = None if any(every) else _greedy_picks(plan, logits)
+        outputs, row, lrow, branching = {}, 0, 0, []  # row: the step's token rows; lrow: its logits rows
         for i, s in enumerate(plan.seqs):
             req, g = s.request, s.request.payload
             g.steps += 1
@@ -380,20 +395,25 @@ class Runner:
                 g.prefill_tokens += len(s.tokens)
             else:
                 g.decode_seconds += seconds
-                g.decode_tokens += len(s.tokens)
+                g.decode_tokens += len(s.tokens) - s.draft  # accepted drafts are added by the speculator
             if g.routing and routed:
                 experts = tuple(tuple(tuple(int(e) for e in r) for r in layer[row: row + len(s.tokens)])
                                 for layer in routed)
                 g.handle.put(Routing(plan.step, experts))
-            last = row + len(s.tokens) - 1 if scoring else i
+            nrows = len(s.tokens) if every[i] else 1
+            last = lrow + nrows - 1
             if g.score_from is not None and scoring:
-                self._score(req, s, logits[row: row + len(s.tokens)])
+                self._score(req, s, logits[lrow: lrow + nrows])
             row += len(s.tokens)
             if s.sample and not req.cancel_requested and g.branches is not None:
                 branching.append((req, logits[last].copy()))  # run after this loop: it steps the engine
             elif s.sample and not req.cancel_requested:
-                outputs[req.request_id] = (SeqOutput(None, "stop") if g.score_from is not None
-                                           else self._sample(req, logits[last], None if picks is None else picks[i]))
+                if s.draft:  # speculative: each row picks a token, as many as match the draft
+                    outputs[req.request_id] = self.speculator.verify(req, s, logits[lrow: lrow + nrows], self._sample)
+                else:
+                    outputs[req.request_id] = (SeqOutput(None, "stop") if g.score_from is not None else
+                                               self._sample(req, logits[last], None if picks is None else picks[i]))
+            lrow += nrows
         for req, last_logits in branching:
             outputs[req.request_id] = self._branches(req, last_logits)
         return self.scheduler.update_from_output(plan, outputs)
@@ -510,7 +530,8 @@ class Runner:
                 put(PromptLogprobs(tuple(g.scores)))
             if g.guided is not None:
                 self.grammar_stats.add(g.guided.guide)
-            put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases))
+            put(Profile(g.prefill_seconds, g.decode_seconds, g.steps, g.prefill_tokens, g.decode_tokens, **g.phases,
+                        draft_tokens=g.draft_tokens, accepted_tokens=g.accepted_tokens))
             put(Usage(len(req.prompt), req.generated, req.cached_tokens, req.queue_wait))
             put(Finished(reason, g.stops.stopped))
         elif req.error is not None:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from coli.cli.common import ModelOpt, Quant, PinOpt, RamBudgetOpt, ThreadsOpt, fail, stderr, user_errors
+from coli.cli.common import (DraftModelOpt, ModelOpt, PinOpt, Quant, RamBudgetOpt, ThreadsOpt, fail, speculation,
+                             stderr, user_errors)
 from coli.synthetic import SPECS
 
 
@@ -43,6 +44,10 @@ def bench(
     schema: Annotated[Optional[Path], typer.Option("--schema", metavar="FILE",
                                                    help="The JSON schema for --constrained.")] = None,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoded together (--constrained).")] = 1,
+    speculative: Annotated[Optional[str], typer.Option(
+        "--speculative", help="Also decode the prompts through the runner without and with this speculative mode "
+                              "(auto, ngram, draft, mtp): acceptance rate, tokens per step, tok/s both ways.")] = None,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
 
@@ -55,6 +60,10 @@ def bench(
         raise fail("pass either --model or --synthetic, not both")
     if decode not in B.DECODE_MODES:
         raise fail(f"--decode must be one of: {', '.join(B.DECODE_MODES)}")
+    if speculative is not None:  # checked before the long part
+        from coli.speculate import resolve_mode
+
+        resolve_mode(speculative)
     opts = {k: v for k, v in dict(process_budget=ram_budget, pin=pin).items() if v is not None}
     if synthetic:
         if synthetic not in SPECS:
@@ -73,13 +82,19 @@ def bench(
         label = str(m.path)
     if constrained:
         return _constrained(m, label, schema, batch, gen_tokens, repeats, as_json)
+    spec = None
     try:
         res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,
                     decode=decode)
+        if speculative is not None:
+            spec = _speculative(m, speculative, draft_model, prompt_tokens, gen_tokens, repeats)
     finally:
         m.close()
     if as_json:
-        typer.echo(json.dumps(res.to_dict(), indent=1))
+        d = res.to_dict()
+        if spec is not None:
+            d["speculative"] = spec
+        typer.echo(json.dumps(d, indent=1))
         return
     t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads · {res.simd}"
                     + (" · random decode input" if decode == "random" else ""))
@@ -103,6 +118,11 @@ def bench(
     t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", "")
     t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",
               f"decode at {res.median('decode_tok_s') / res.roofline_tok_s:.0%} of it")
+    if spec is not None:
+        t.add_row(f"speculative ({spec['mode']}) tok/s", f"{spec['decode_tok_s_with']:.1f}",
+                  f"without: {spec['decode_tok_s_without']:.1f} ({spec['speedup']:.2f}x)")
+        t.add_row("acceptance · tokens/step", f"{spec['acceptance_rate']:.1%} · {spec['tokens_per_step']:.2f}",
+                  "same text" if spec["identical"] else "TEXT DIFFERS")
     stderr.print(t)
 
 
@@ -137,3 +157,28 @@ def _constrained(m, label, schema_file, batch, gen_tokens, repeats, as_json) -> 
                  f"{res['steps_saved']:.0f} steps saved by folding · constraint cost "
                  f"{res['cost_vs_unconstrained']:+.1%} unfolded, folded at {res['folded_vs_unconstrained']:.2f}x "
                  f"unconstrained · {res['finished']}")
+
+
+def _speculative(m, mode: str, draft_model: str | None, prompt_tokens: int, gen_tokens: int, repeats: int) -> dict:
+    """The runner's decode without and with speculation on the bench's kind of prompt:
+    seeded random tokens whose start is repeated at the end, so prompt lookup has something
+    to find (a copy-heavy request: the model is shown text it may write again)."""
+    import numpy as np
+
+    from coli.speculate.bench import compare
+
+    if mode == "off":
+        raise fail("--speculative off: nothing to compare; pass auto, ngram, draft or mtp")
+    mode, draft = speculation(mode, draft_model, m)
+    rng = np.random.default_rng(1)
+    V = m.config.vocab_size
+    size = max(1, prompt_tokens * 2 // 3)  # a random text, then its first part again: the rest may be copied
+    prompts = []
+    for _ in range(repeats):
+        part = rng.integers(2, V, size=size).tolist()
+        prompts.append(part + part[: prompt_tokens - size])
+    try:
+        return compare(m, prompts, mode, max_tokens=gen_tokens, draft_model=draft)
+    finally:
+        if draft is not None:
+            draft.close()

@@ -16,8 +16,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
-                             SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
+from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+                             RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
 from coli.cli.constrain import GrammarOpt, JsonSchemaOpt, local_constraint, read_options, request_fields
 from coli.errors import ColiError
@@ -53,6 +53,8 @@ def chat(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     plain: PlainOpt = False,
     slots: SlotsOpt = 4,
     url: UrlOpt = None,
@@ -83,7 +85,8 @@ def chat(
         return
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots) as runner:
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots,
+                     speculative=speculative, draft_model=draft_model) as runner:
         if piped:
             ids = m.prompt_ids(messages_for(prompt.strip(), system), **({"enable_thinking": False} if spec else {}))
             for piece in runner.generate(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0,

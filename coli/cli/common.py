@@ -55,14 +55,39 @@ KvDirOpt = Annotated[Optional[str], typer.Option(
     "--kv-dir", envvar="COLI_KV_DIR", help="Where KV slot state (.coli_kv, .coli_kv.1, ...) is saved and restored.")]
 PersistOpt = Annotated[bool, typer.Option(
     "--kv-persist/--no-kv-persist", envvar="COLI_KV_PERSIST", show_envvar=True, help="Save KV slots so a restart reuses cached prefixes.")]
+SpeculativeOpt = Annotated[Optional[str], typer.Option(
+    "--speculative", envvar="COLI_SPECULATIVE", show_envvar=True,
+    help="Speculative decoding (same output, more tokens per pass over the weights): auto (the model's MTP "
+         "layers, else the draft model, else prompt lookup; off per request when it does not pay), off, ngram, "
+         "draft, mtp. Default: auto.")]
+DraftModelOpt = Annotated[Optional[str], typer.Option(
+    "--draft-model", envvar="COLI_DRAFT_MODEL", show_envvar=True,
+    help="A small model with the same tokenizer that drafts tokens for --speculative draft (and auto).")]
 
 
-def open_runner(model, *, ctx=None, kv_dir=None, persist=True, kv_slots=1):
-    """The scheduler every front end shares, with its start-up notes on stderr."""
+def open_runner(model, *, ctx=None, kv_dir=None, persist=True, kv_slots=1, speculative=None, draft_model=None):
+    """The scheduler every front end shares, with its start-up notes on stderr.
+    ``speculative``/``draft_model``: the --speculative and --draft-model options."""
     from coli.runner import Runner
 
-    return Runner(model, kv_slots=kv_slots, ctx=ctx, kv_dir=kv_dir, persist=persist,
+    mode, draft = speculation(speculative, draft_model, model)
+    return Runner(model, kv_slots=kv_slots, ctx=ctx, kv_dir=kv_dir, persist=persist, speculative=mode,
+                  draft_model=draft,
                   notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True) if stderr.is_terminal else None)
+
+
+def speculation(speculative: str | None, draft_model: str | None, model) -> tuple[str, object | None]:
+    """The --speculative mode (default auto) and the loaded --draft-model (None without one)."""
+    from coli.speculate import resolve_mode
+
+    mode = resolve_mode(speculative, default="auto")
+    if mode == "draft" and not draft_model:
+        raise fail("--speculative draft needs --draft-model DIR")
+    if not draft_model or mode == "off":
+        return mode, None
+    import coli
+
+    return mode, coli.load(draft_model, threads=model.engine.threads)
 
 
 def load_options(quant=None, ram_budget=None, pin=None) -> dict:

@@ -6,9 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
-                             SeedOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
-                             load_options, messages_for, open_runner, stderr, user_errors)
+from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+                             RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt,
+                             TopPOpt, fail, load_model, load_options, messages_for, open_runner, stderr,
+                             user_errors)
 from coli.cli.constrain import GrammarOpt, JsonSchemaOpt, local_constraint, read_options
 from coli.scheduler import Error, Finished, TextDelta, Usage
 
@@ -33,6 +34,8 @@ def run(
     kv_persist: PersistOpt = True,
     json_schema: JsonSchemaOpt = None,
     grammar: GrammarOpt = None,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Answer one prompt and stream the answer to stdout.
 
@@ -54,7 +57,8 @@ def run(
     ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw, **kwargs)
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     last, finish, generated = "", None, 0
-    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist) as runner:
+    with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, speculative=speculative,
+                     draft_model=draft_model) as runner:
         if ctx is not None and runner.ctx < ctx:
             stderr.print(f"note: --ctx {ctx} is more than this model holds: using {runner.ctx}", soft_wrap=True)
         handle = runner.submit(ids, max_tokens=max_tokens, sampling=sampling, cache_slot=0,

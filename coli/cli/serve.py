@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt, ThreadsOpt,
-                             fail, load_model, load_options, stderr, user_errors)
+from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
+                             SpeculativeOpt, ThreadsOpt, fail, load_model, load_options, speculation, stderr,
+                             user_errors)
 
 
 @user_errors
@@ -65,6 +66,8 @@ def serve(
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     cluster: Annotated[Optional[str], typer.Option(
         "--cluster", envvar="COLI_CLUSTER", show_envvar=True, rich_help_panel="Cluster (Ray)",
         help="Generate on Ray workers: auto (a running cluster, else a local one) or ray://HOST:PORT.")] = None,
@@ -112,8 +115,10 @@ def serve(
                                                          queue_timeout=queue_timeout, ctx=ctx),
                                      state_dir=state_dir)
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
+    mode, draft = speculation(speculative, draft_model, m)
     runner = runner if cluster else Runner(m, kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout, ctx=ctx, kv_dir=kv_dir,
-                    persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True))
+                    persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True),
+                    speculative=mode, draft_model=draft)
     server = Server(m, runner, config)
 
     def ready(url: str) -> None:

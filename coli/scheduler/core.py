@@ -137,13 +137,16 @@ class Request:
 @dataclass(frozen=True)
 class ScheduledSeq:
     """Feed ``tokens`` to the request's slot at positions start.. . ``sample``: the
-    logits of the last one pick the request's next token."""
+    logits of the last one pick the request's next token. ``draft``: the last ``draft``
+    tokens are speculative (coli.speculate appends them to a decoding entry); the slot
+    keeps only those its SeqOutput lists as ``accepted``."""
 
     request: Request
     slot: int
     start: int  # the slot's history length before this step (the runner truncates its cache to it)
     tokens: list[int]
     sample: bool
+    draft: int = 0
 
 
 @dataclass
@@ -166,6 +169,7 @@ class SeqOutput:
     finish_reason: str | None = None
     error: str | None = None
     forced: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()  # speculation: draft tokens accepted (generated) before ``token``
 
 
 Listener = Callable[[Request], None]
@@ -332,7 +336,11 @@ class Scheduler:
             ended = []
             for s in plan.seqs:
                 req, slot = s.request, self.slots[s.slot]
-                slot.tokens.extend(s.tokens)  # the engine wrote their KV
+                keep = len(s.tokens) - s.draft  # rejected draft tokens' KV is overwritten later
+                if s.draft and req.status is Status.RUNNING and not req.cancel_requested:
+                    out = outputs.get(req.request_id)
+                    keep += len(out.accepted) if out is not None and out.error is None else 0
+                slot.tokens.extend(s.tokens[:keep])  # the engine wrote their KV
                 if req.status is not Status.RUNNING:
                     continue
                 if req.prefilling:
@@ -459,6 +467,7 @@ class Scheduler:
         if out is None or out.error is not None:
             self._release(req, Status.FAILED, EngineError(out.error if out else "no output for a sampling entry"))
             return
+        req.generated += len(out.accepted)
         if out.token is not None:
             req.generated += 1 + len(out.forced)
             req.next_token, req.forced = int(out.token), [int(t) for t in out.forced]

@@ -146,6 +146,8 @@ class Profile:
     experts_needed: int = 0
     experts_hit: int = 0
     bytes_read: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # ... and accepted (decode_tokens counts them)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, U
 from coli.server import params as P
 from coli.server import structured
 from coli.server.errors import ApiError, invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server.limits import off_loop
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
@@ -284,6 +284,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     spec = GenSpec([prompt.ids], max_tokens, sampling, 1, run_stops, leading, stop_ids,
                    cache_slot=P.integer(body, "cache_slot", 0), parser=lambda: prompt.parser(server),
                    constraint=structured.constraint(server, answer, prompt))
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     try:
         await gen.start()

@@ -12,7 +12,7 @@ from coli.scheduler import Finished, TextDelta, TokenLogprob, Usage
 from coli.server import params as P
 from coli.server import structured
 from coli.server.errors import invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server.limits import BIG_INPUT, check_length, off_loop, release_memory
 from coli.server.openai import MAX_N, MAX_TOP_LOGPROBS, _usage, max_tokens_field, sampling_fields, template_kwargs
 from coli.server.prompts import normalize_openai, openai_tools
@@ -71,6 +71,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                    P.stop_list(body, "stop", 4), P.get(body, "x_colibri_ignore_leading_stop", bool, False),
                    logprobs=top, logit_bias=bias, cache_slot=P.integer(body, "cache_slot", 0),
                    constraint=structured.constraint(server, structured.openai_answer(body)))
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     tok = server.model.tokenizer
     echoes = [tok.decode(p) for p in prompts for _ in range(n)] if echo else [""] * (len(prompts) * n)

@@ -40,6 +40,15 @@ class GenSpec:
     cache_slot: int | None = None
     parser: Callable[[], object] | None = None  # a fresh OutputParser per choice
     constraint: object | None = None  # a coli.grammar.Constraint every choice's answer matches
+    speculative: str | None = None  # x_colibri_speculative: this request's speculative decoding mode
+
+
+def speculative_field(body: dict) -> str | None:
+    """The ``x_colibri_speculative`` extension field: auto, off, ngram, draft or mtp (None: the server's)."""
+    from coli.server import params as P
+    from coli.speculate import MODES
+
+    return P.choice(body, "x_colibri_speculative", MODES)
 
 
 class Generation:
@@ -74,7 +83,8 @@ class Generation:
                         prompt, max_tokens=spec.max_tokens, sampling=sampling, stop=spec.stop or None,
                         cache_slot=spec.cache_slot, ignore_leading_stop=spec.ignore_leading_stop,
                         stop_token_ids=spec.stop_token_ids, logprobs=spec.logprobs, logit_bias=spec.logit_bias,
-                        parser=spec.parser() if spec.parser else None, constraint=spec.constraint))
+                        parser=spec.parser() if spec.parser else None, constraint=spec.constraint,
+                        **({"speculative": spec.speculative} if spec.speculative else {})))
         except ColiError as e:
             self.cancel()
             raise from_coli(e) from None

@@ -18,7 +18,7 @@ from aiohttp import web
 from coli.scheduler import Finished, ReasoningDelta, TextDelta, TokenLogprob, ToolCallDelta, Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
-from coli.server.generation import GenSpec, Generation, collect
+from coli.server.generation import GenSpec, Generation, collect, speculative_field
 from coli.server import structured
 from coli.server.limits import off_loop
 from coli.server.prompts import implicit_stops, normalize_openai, openai_tools, render
@@ -176,6 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ignore_leading = True
     spec = GenSpec([prompt.ids], max_tokens, sampling, n, stop, ignore_leading, stop_ids,
                    (top or 0) if want_logprobs else None, bias, cache_slot, lambda: prompt.parser(server), constraint)
+    spec.speculative = speculative_field(body)
     gen = Generation(server, spec)
     try:
         await gen.start()

@@ -58,6 +58,7 @@ class Telemetry:
             "other_seconds": max(0.0, wall - named),
             "experts_needed": profile.experts_needed, "experts_hit": profile.experts_hit,
             "bytes_read": profile.bytes_read,
+            "draft_tokens": profile.draft_tokens, "accepted_tokens": profile.accepted_tokens,
             "tokens_per_second": usage.completion_tokens / profile.decode_seconds if profile.decode_seconds else None,
         })
 

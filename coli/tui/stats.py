@@ -28,6 +28,8 @@ class TurnStats:
     ttft: float | None = None  # seconds from sending to the first text
     experts_needed: int = 0
     experts_hit: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # ... and accepted
 
     @property
     def other(self) -> float:
@@ -55,7 +57,8 @@ class TurnStats:
                    cached_tokens=usage.cached_tokens if usage else 0,
                    completion_tokens=usage.completion_tokens if usage else profile.decode_tokens,
                    decode_seconds=profile.decode_seconds, ttft=ttft, experts_needed=profile.experts_needed,
-                   experts_hit=profile.experts_hit)
+                   experts_hit=profile.experts_hit, draft_tokens=getattr(profile, "draft_tokens", 0),
+                   accepted_tokens=getattr(profile, "accepted_tokens", 0))
 
     @classmethod
     def from_server(cls, turn: dict, ttft: float | None = None) -> TurnStats:
@@ -69,7 +72,8 @@ class TurnStats:
                    lm_head=g("lm_head_seconds"), prompt_tokens=int(turn.get("prompt_tokens") or 0),
                    cached_tokens=int(turn.get("cached_tokens") or 0), completion_tokens=done,
                    decode_seconds=done / tps if tps else 0.0, ttft=ttft,
-                   experts_needed=int(turn.get("experts_needed") or 0), experts_hit=int(turn.get("experts_hit") or 0))
+                   experts_needed=int(turn.get("experts_needed") or 0), experts_hit=int(turn.get("experts_hit") or 0),
+                   draft_tokens=int(turn.get("draft_tokens") or 0), accepted_tokens=int(turn.get("accepted_tokens") or 0))
 
 
 def bar_widths(stats: TurnStats, width: int) -> list[int]:

@@ -109,6 +109,9 @@ def render_profile(turn: TurnStats | None, width: int = 40, compact: bool = Fals
     out.append(f" · {tps:.1f} tok/s" if tps else "")
     if turn.ttft is not None:
         out.append(f" · TTFT {turn.ttft * 1000:.0f} ms")
+    if turn.draft_tokens:  # speculative decoding took part
+        out.append(f"\nspeculative: {turn.accepted_tokens}/{turn.draft_tokens} drafts accepted "
+                   f"({turn.accepted_tokens / turn.draft_tokens:.0%})")
     return out
 
 

@@ -1,0 +1,239 @@
+"""Speculative decoding: draft tokens, verify them in one multi-token step, keep what the
+target model itself would have produced, and stop when it does not pay.
+
+The runner calls four things (see coli/runner.py), nothing else:
+
+    spec = Speculator.create(runner, mode, draft_model)   # at start
+    spec.extend(plan)            # after schedule(): draft tokens onto decoding entries
+    spec.observe(plan, seconds)  # after the engine step: the cost model learns t(M)
+    spec.verify(req, seq, rows, sample) -> SeqOutput      # an entry with drafts: which to keep
+
+A decoding entry [next] becomes [next, d1..dk]; the engine returns a logits row per token;
+``verify`` samples each row with the request's own sampler while it matches the draft
+(coli.speculate.verify); the scheduler keeps the KV of the accepted tokens only (the slot
+history is cut back, the runner truncates the cache to it on the next step), so prefix
+reuse and KV persistence see exactly what decoding without speculation would have left.
+
+Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
+``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
+(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp; one
+draft per step). ``auto`` takes the best
+available source and switches itself off per request while the cost model
+(coli.speculate.cost) says a verification step costs more than its expected yield;
+a named source always drafts (k chosen by the cost model, at least 1). ``off``: never.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+
+from coli.errors import InvalidRequestError
+from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, Acceptance, StepCosts, best_k
+from coli.speculate.metrics import SpeculativeMetrics
+from coli.speculate.ngram import NgramDrafter
+from coli.speculate.verify import accept_run
+
+MODES = ("auto", "off", "ngram", "mtp", "draft")
+ENV = "COLI_SPECULATIVE"
+MAX_K = 8  # draft tokens per verification at most
+MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
+PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
+MAX_BACKOFF = 256
+
+
+def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:
+    """``mode`` if given, else $COLI_SPECULATIVE, else ``default``; InvalidRequestError if unknown.
+    (Front ends default to auto; a Runner built in code defaults to off.)"""
+    env = os.environ if env is None else env
+    m = mode if mode is not None else (env.get(ENV) or default)
+    if m not in MODES:
+        where = "--speculative" if mode is not None else f"{ENV}={m!r}:"
+        raise InvalidRequestError(f"{where} must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+@dataclass(eq=False)
+class _State:
+    """One request's speculation: its source, acceptance, and the auto switch."""
+
+    source: str  # "ngram", "draft" or "mtp"
+    adaptive: bool  # auto: may switch itself off
+    ctx: list[int]  # prompt + output so far (the drafter's context)
+    ngram: NgramDrafter = field(default_factory=NgramDrafter)
+    acc: Acceptance = field(default_factory=Acceptance)
+    off_until: int = 0  # auto: no drafts before this step
+    backoff: int = PROBE_AFTER
+    probing: bool = False
+
+
+class Speculator:
+    """One runner's speculation: per-request states (weakly keyed by Request), the step
+    cost model shared by its requests, and the draft model's caches when there is one."""
+
+    def __init__(self, runner, mode: str, draft=None, max_k: int = MAX_K, fixed_k: int | None = None):
+        self.runner, self.mode, self.draft = runner, mode, draft
+        self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
+        streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
+        self.costs = StepCosts(prior_slope=STREAMED_PRIOR_SLOPE if streamed else PRIOR_SLOPE)
+        self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
+        self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
+        self._step = 0
+        self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
+
+    @classmethod
+    def create(cls, runner, mode: str | None = None, draft_model=None, **kw) -> Speculator:
+        """The runner's speculator for ``mode`` (None: $COLI_SPECULATIVE, else off).
+        ``draft_model``: a loaded coli.Model sharing the runner model's tokenizer."""
+        from coli.speculate import mtp
+
+        mode = resolve_mode(mode, default="off")
+        draft = None
+        if draft_model is not None:
+            from coli.speculate.draft_model import DraftSource
+
+            draft = DraftSource(runner.model, draft_model, runner.config.kv_slots)
+        spec = cls(runner, mode, draft, **kw)
+        if mode == "mtp" or (mode == "auto" and mtp.available(runner.model)):
+            spec.mtp = mtp.MTPSource(runner.model, runner.config.kv_slots)
+        spec.check_request(mode)
+        return spec
+
+    def check_request(self, mode: str | None) -> None:
+        """InvalidRequestError unless ``mode`` (a request's override; None: the runner's) can run."""
+        if mode is None:
+            return
+        if mode not in MODES:
+            raise InvalidRequestError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "mtp" and self.mtp is None:
+            raise InvalidRequestError("speculative mode 'mtp' is not available: the model has no multi-token-"
+                                      "prediction layers loaded (a DeepSeek-V3 or GLM-4.5 checkpoint with "
+                                      "num_nextn_predict_layers, served with --speculative mtp or auto)")
+        if mode == "draft" and self.draft is None:
+            raise InvalidRequestError("speculative mode 'draft' needs a draft model (--draft-model DIR)")
+
+    # -- the runner's hooks ----------------------------------------------------------------------
+
+    def extend(self, plan) -> None:
+        """Append draft tokens to the plan's decoding entries (in place). Steps that
+        prefill a prompt get none: the prompt's tokens dominate their cost."""
+        try:
+            self._extend(plan)
+        finally:
+            self._cpu0 = time.thread_time()
+
+    def _extend(self, plan) -> None:
+        self._step += 1
+        seqs = plan.seqs
+        if any(s.request.prefilling or not s.sample or s.draft for s in seqs):
+            return
+        m = len(seqs)
+        wanted = []  # (index, state, k): draft-model and MTP requests, drafted together below
+        for i, s in enumerate(seqs):
+            req = s.request
+            st = self._state(req)
+            if st is None or req.cancel_requested:
+                continue
+            limit = min(self.max_k, req.max_tokens - req.generated - 1, self.runner.ctx - s.start - 2)
+            if limit < 1 or (st.adaptive and self.fixed_k is None and self._step < st.off_until):
+                continue
+            if st.source == "ngram":  # a lookup costs next to nothing: look first, then decide how much pays
+                d = st.ngram.propose(st.ctx, limit)
+                k = self._choose(st, m, len(d)) if d else 0
+                if k:
+                    seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
+                    m += k
+                continue
+            if st.source == "mtp":
+                limit = 1  # one next-token layer: one draft per step
+            k = self._choose(st, m, limit)
+            if k:
+                wanted.append((i, st, k))
+                m += k
+        for source in ("draft", "mtp"):
+            batch = [(i, st, k) for i, st, k in wanted if st.source == source]
+            if not batch:
+                continue
+            got = getattr(self, source).propose([(seqs[i].slot, st.ctx, k) for i, st, k in batch])
+            for (i, st, k), d in zip(batch, got):
+                if d:
+                    s = seqs[i]
+                    seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=len(d[:k]))
+
+    def observe(self, plan, seconds: float) -> None:
+        """Learn the step time of a decode step of M tokens (prefill steps are not counted).
+        The runner thread's CPU time since ``extend`` is used rather than the wall ``seconds``:
+        on a busy machine the wall time mostly measures how long the thread waited for a core.
+        (The kernels' other threads are not counted; the calling thread takes part in every
+        parallel region, so its CPU time follows the step's length.) Time spent waiting for
+        experts to arrive from disk is added: a verification step may read more of them."""
+        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
+        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
+        if self.mtp is not None:
+            self.mtp.capture(plan, self._may_use_mtp)  # the hidden states the MTP layer drafts from
+        if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
+            self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
+
+    def verify(self, req, s, rows, sample):
+        """The SeqOutput of an entry with drafts: ``rows`` its logits (one per token),
+        ``sample(req, row)`` the runner's own sampling of one row."""
+        draft = s.tokens[len(s.tokens) - s.draft:]
+        out, rejected = accept_run(draft, rows, lambda row: sample(req, row))
+        n = len(out.accepted)
+        st = self._states.get(req)
+        if st is not None:
+            st.acc.record(s.draft, n, rejected)
+        g = req.payload
+        g.draft_tokens += s.draft
+        g.accepted_tokens += n
+        g.decode_tokens += n
+        self.metrics.record(s.draft, n, n + (out.token is not None))
+        return out
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _may_use_mtp(self, req) -> bool:
+        g = req.payload
+        return g.score_from is None and (g.speculative or self.mode) in ("auto", "mtp")
+
+    def _state(self, req) -> _State | None:
+        if req in self._states:
+            st = self._states[req]
+            if st is not None:
+                g = req.payload
+                st.ctx.extend(g.generated[len(st.ctx) - len(req.prompt):])  # the tokens emitted since
+            return st
+        g = req.payload
+        mode = g.speculative or self.mode
+        st = None
+        # constrained answers (coli.grammar) and batched scoring (coli.scoring) do not speculate:
+        # their tokens come from a grammar's masks and forced runs, or are not generated at all
+        if mode != "off" and g.score_from is None and g.guided is None and g.branches is None:
+            source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
+                      "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
+            st = _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated])
+        self._states[req] = st
+        return st
+
+    def _choose(self, st: _State, m: int, limit: int) -> int:
+        """Draft tokens for this request's next step (0: a plain step)."""
+        if self.fixed_k is not None:
+            return min(self.fixed_k, limit)
+        if st.adaptive and self._step < st.off_until:
+            return 0
+        cost = 0.0 if st.source == "ngram" else getattr(self, st.source).seconds_per_token
+        k, gain = best_k(st.acc.rate, self.costs, m, limit, cost)
+        if not st.adaptive:
+            return max(1, k)
+        if k and gain >= MIN_GAIN:
+            st.backoff, st.probing = PROBE_AFTER, False
+            return k
+        if st.off_until and not st.probing:  # the off period is over: one trial with a short draft
+            st.probing = True
+            return min(2, limit)
+        if st.probing:  # the trial did not pay either: stay off twice as long
+            st.backoff = min(st.backoff * 2, MAX_BACKOFF)
+        st.probing, st.off_until = False, self._step + st.backoff
+        return 0

@@ -1,0 +1,120 @@
+"""When speculation pays: the engine's own step times by tokens per step, and each
+request's acceptance rate.
+
+A k-token draft verified in one step yields 1 + (accepted drafts) tokens. If each draft
+token is accepted with probability a (given the ones before it were), the expected yield
+is (1 - a^(k+1)) / (1 - a). The step costs t(M + k) instead of t(M), where M is the step's
+tokens without drafts and t is measured here, per M, from the steps the runner ran (a
+multi-token step on a CPU is not free: an int4 4-token block costs about 2.5 one-token
+ones). A drafter that takes time itself (a draft model) adds its seconds per drafted token.
+Speculating with k drafts pays when yield / relative cost > 1; the best k maximizes it.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs this much of a 1-token step
+STREAMED_PRIOR_SLOPE = 0.8  # ... when experts stream from disk: each token may need experts read for it alone
+WINDOW = 15  # recent steps per size that the median is taken over
+MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
+DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
+
+
+class StepCosts:
+    """Seconds of a decode step by its tokens M: the median of the last WINDOW steps of each
+    size (robust to the spikes a shared machine adds to some steps)."""
+
+    def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE):
+        self.samples: dict[int, deque[float]] = {}
+        self.window, self.prior_slope = window, prior_slope
+        self._known: dict[int, float] = {}  # t(m) computed since the last observation
+        self._fit: tuple[float, float] | None = None
+
+    @property
+    def mean(self) -> dict[int, float]:
+        return {m: statistics.median(q) for m, q in self.samples.items()}
+
+    @property
+    def count(self) -> dict[int, int]:
+        return {m: len(q) for m, q in self.samples.items()}
+
+    def observe(self, m: int, seconds: float) -> None:
+        self.samples.setdefault(m, deque(maxlen=self.window)).append(seconds)
+        self._known.clear()
+        self._fit = None
+
+    def __call__(self, m: int) -> float:
+        """t(m): the mean of steps of m tokens once there are MIN_SAMPLES of them, else a
+        straight line fitted to the sizes measured so far (each weighted by its count, up
+        to 10), so one noisy step of a new size neither locks k in nor out; with one size
+        known, the line through it with the prior slope; with none, the prior relative costs."""
+        t = self._known.get(m)
+        if t is None:
+            q = self.samples.get(m)
+            if q is not None and len(q) >= MIN_SAMPLES:
+                t = statistics.median(q)
+            else:
+                if self._fit is None:
+                    self._fit = self._line()
+                a, b = self._fit
+                t = max(1e-9, a + b * (m - 1))
+            self._known[m] = t
+        return t
+
+    def _line(self) -> tuple[float, float]:
+        """(t(1), slope) of the weighted least-squares line through the measured means."""
+        pts = [(x - 1.0, statistics.median(q), float(min(len(q), 10))) for x, q in self.samples.items()]
+        if not pts:
+            return 1.0, self.prior_slope
+        if len(pts) == 1:
+            (x, t, _), = pts
+            t1 = t / (1.0 + self.prior_slope * x)
+            return t1, self.prior_slope * t1
+        w = sum(p[2] for p in pts)
+        mx = sum(p[0] * p[2] for p in pts) / w
+        mt = sum(p[1] * p[2] for p in pts) / w
+        var = sum(p[2] * (p[0] - mx) ** 2 for p in pts)
+        slope = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - mt) for p in pts) / var)
+        return max(1e-9, mt - slope * mx), slope
+
+
+class Acceptance:
+    """One request's draft acceptance: decayed counts of accepted draft tokens and of
+    rejections (a verification stops at its first rejected token)."""
+
+    def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0):
+        self.accepted, self.rejected = prior_accepted, prior_rejected
+        self.drafted_total = self.accepted_total = self.steps = 0
+
+    @property
+    def rate(self) -> float:
+        """The chance that a draft token is accepted, given the ones before it were."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, drafted: int, accepted: int, rejected: bool) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.rejected = self.rejected * DECAY + (1 if rejected else 0)
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        self.steps += 1
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verification of k drafts yields when each is accepted with probability a."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_k(a: float, costs: StepCosts, m: int, limit: int, draft_seconds: float = 0.0) -> tuple[int, float]:
+    """(k, gain): the number of drafts (0..limit) that maximizes tokens per second relative to a
+    plain step of m tokens, and that gain (1.0 for k = 0). ``draft_seconds``: a drafter's cost
+    per drafted token."""
+    base = costs(m)
+    best, gain = 0, 1.0
+    for k in range(1, limit + 1):
+        g = expected_tokens(a, k) * base / (costs(m + k) + k * draft_seconds)
+        if g > gain:
+            best, gain = k, g
+    return best, gain
