@@ -32,8 +32,8 @@ from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_
 from coli.metrics import SchedulerMetrics
 from coli.sampling import Sampler, SamplingParams, logprobs as log_softmax
 from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
-from coli.scheduler.events import (Error, Finished, Profile, PromptLogprobs, Routing, Started, TextDelta, TokenLogprob,
-                                   Usage)
+from coli.scheduler.events import (Error, Finished, GrammarDeadEndError, Profile, PromptLogprobs, Routing, Started,
+                                   TextDelta, TokenLogprob, Usage)
 from coli.scheduler.stream import RequestHandle
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer
@@ -391,7 +391,7 @@ class Runner:
                                                 req.max_tokens - req.generated, self.model.eos_ids,
                                                 self.fold_forced, self.grammar_stats)
             except grammar.DeadEnd as e:
-                return SeqOutput(error=str(e))
+                return SeqOutput(error=GrammarDeadEndError(str(e)))
         elif tok is None:
             if g.bias is not None:
                 logits = logits.copy()

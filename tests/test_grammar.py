@@ -164,7 +164,7 @@ def test_a_dead_end_ends_with_an_error_not_a_hang(model, runner):
     c = Constraint.lark("start: \"a\" B\nB: /b/ & /c/")  # compiles, but nothing can follow "a"
     events = list(runner.submit(prompt(model), max_tokens=5, constraint=c))
     err = [e for e in events if isinstance(e, Error)]
-    assert err and "grammar" in err[0].message, events
+    assert err and err[0].code == "grammar_dead_end" and "dead end" in err[0].message, events
 
 
 def test_forced_tokens_fold_into_one_step_and_change_nothing(model):
