@@ -173,6 +173,9 @@ def test_anthropic_forced_tool_and_output_format(srv):
     m = client.messages.create(model="tiny", max_tokens=120, messages=USER, extra_body={"seed": 7, "temperature": 1.0},
                                output_config={"format": {"type": "json_schema", "schema": WEATHER}})
     jsonschema.validate(json.loads(m.content[0].text), WEATHER)
+    parsed = client.messages.parse(model="tiny", max_tokens=60, messages=USER, output_format=Weather,
+                                   extra_body={"seed": 3, "temperature": 1.0})
+    assert isinstance(parsed.parsed_output, Weather)
     status, _, out = http(srv, "POST", "/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": USER,
                                                         "output_config": {"format": {"type": "json_schema",
                                                                                      "schema": {"type": "strin"}}}})
