@@ -389,7 +389,7 @@ class Runner:
             try:
                 tok, forced, raw = grammar.pick(g.guided, g.sampler, logits, g.generated, g.bias,
                                                 req.max_tokens - req.generated, self.model.eos_ids,
-                                                self.fold_forced, self.grammar_stats)
+                                                self.fold_forced, self.grammar_stats, g.logprobs is not None)
             except grammar.DeadEnd as e:
                 return SeqOutput(error=GrammarDeadEndError(str(e)))
         elif tok is None:
