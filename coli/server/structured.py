@@ -116,7 +116,12 @@ def constraint(server, answer: Answer, prompt=None) -> Constraint | None:
     unconstrained."""
     if not answer.constrained and not (prompt is not None and prompt.tool_grammar):
         return None
-    vocab = getattr(server.runner, "vocabulary", None)
+    try:
+        vocab = getattr(server.runner, "vocabulary", None)
+    except GrammarError as e:  # a tokenizer llguidance cannot read (a word-level one)
+        if answer.constrained:
+            raise unsupported(str(e), answer.param) from None
+        return None  # tool calls stay unconstrained
     if vocab is None:
         if answer.constrained:
             raise unsupported("structured outputs need a local model: this runner (the cluster router) has no "
