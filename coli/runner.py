@@ -32,8 +32,8 @@ from coli.kv.store import KVStore, default_state_dir, model_fingerprint, weight_
 from coli.metrics import SchedulerMetrics
 from coli.sampling import Sampler, SamplingParams, logprobs as log_softmax
 from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
-from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, Profile, PromptLogprobs, Routing,
-                                   Started, TextDelta, TokenLogprob, Usage)
+from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, GrammarDeadEndError, Profile,
+                                   PromptLogprobs, Routing, Started, TextDelta, TokenLogprob, Usage)
 from coli.scheduler.stream import RequestHandle
 from coli.speculate import Speculator
 from coli.stops import StopMatcher
@@ -456,9 +456,9 @@ class Runner:
             try:
                 tok, forced, raw = grammar.pick(g.guided, g.sampler, logits, g.generated, g.bias,
                                                 req.max_tokens - req.generated, self.model.eos_ids,
-                                                self.fold_forced, self.grammar_stats)
+                                                self.fold_forced, self.grammar_stats, g.logprobs is not None)
             except grammar.DeadEnd as e:
-                return SeqOutput(error=str(e))
+                return SeqOutput(error=GrammarDeadEndError(str(e)))
         elif tok is None:
             if g.bias is not None:
                 logits = logits.copy()

@@ -164,7 +164,7 @@ def test_a_dead_end_ends_with_an_error_not_a_hang(model, runner):
     c = Constraint.lark("start: \"a\" B\nB: /b/ & /c/")  # compiles, but nothing can follow "a"
     events = list(runner.submit(prompt(model), max_tokens=5, constraint=c))
     err = [e for e in events if isinstance(e, Error)]
-    assert err and "grammar" in err[0].message, events
+    assert err and err[0].code == "grammar_dead_end" and "dead end" in err[0].message, events
 
 
 def test_forced_tokens_fold_into_one_step_and_change_nothing(model):
@@ -242,3 +242,14 @@ def test_a_reused_prefix_gives_the_same_constrained_answer(model, runner):
     assert started.cached_tokens > 0  # the prompt's KV came from the slot
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == first[0]
     check(SCHEMAS[0], *first[:2])
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error(tmp_path):
+    from conftest import write_tokenizer
+
+    from coli.grammar import Vocabulary
+    from coli.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path, 50, eos=1)  # word-level: no bytes for a grammar to match
+    with pytest.raises(GrammarError, match="cannot be used for constrained decoding"):
+        Vocabulary(Tokenizer.from_dir(tmp_path).to_json(), 50, [1])

@@ -150,6 +150,16 @@ def test_bad_schemas_and_grammars_are_400s_naming_the_field(srv, body, param):
         assert out["error"]["type"] == "invalid_request_error"
 
 
+def test_a_grammar_that_cannot_complete_is_a_400_or_an_error_event(srv, client):
+    dead = {"x_colibri_grammar": 'start: "a" B\nB: /b/ & /c/'}  # compiles; nothing can follow "a"
+    status, _, out = http(srv, "POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 5,
+                                                                **dead})
+    assert status == 400 and out["error"]["code"] == "grammar_dead_end", out
+    status, _, text = http(srv, "POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 5,
+                                                                 "stream": True, **dead})
+    assert status == 200 and "grammar_dead_end" in text and text.rstrip().endswith("data: [DONE]")  # in-band
+
+
 def test_anthropic_forced_tool_and_output_format(srv):
     client = srv.anthropic()
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
@@ -163,6 +173,9 @@ def test_anthropic_forced_tool_and_output_format(srv):
     m = client.messages.create(model="tiny", max_tokens=120, messages=USER, extra_body={"seed": 7, "temperature": 1.0},
                                output_config={"format": {"type": "json_schema", "schema": WEATHER}})
     jsonschema.validate(json.loads(m.content[0].text), WEATHER)
+    parsed = client.messages.parse(model="tiny", max_tokens=60, messages=USER, output_format=Weather,
+                                   extra_body={"seed": 3, "temperature": 1.0})
+    assert isinstance(parsed.parsed_output, Weather)
     status, _, out = http(srv, "POST", "/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": USER,
                                                         "output_config": {"format": {"type": "json_schema",
                                                                                      "schema": {"type": "strin"}}}})

@@ -41,7 +41,11 @@ class Vocabulary:
         eos = sorted(int(t) for t in eos_ids)
         self.size = int(size)
         self.eos_ids = frozenset(eos)
-        self.lltok = LLTokenizer(tokenizer_json, n_vocab=self.size, eos_token=eos or None)
+        try:
+            self.lltok = LLTokenizer(tokenizer_json, n_vocab=self.size, eos_token=eos or None)
+        except (ValueError, TypeError, RuntimeError) as e:  # e.g. a word-level vocabulary: no bytes to match
+            raise GrammarError(f"this model's tokenizer cannot be used for constrained decoding: {_one_line(e)}") \
+                from None
         # added tokens (markers such as <tool_call>): grammars refer to them as tokens, not text
         self.added = frozenset(t["content"] for t in json.loads(tokenizer_json).get("added_tokens", ()))
 

@@ -39,9 +39,10 @@ class GrammarStats:
 
 def pick(state: GuidedState, sampler: Sampler, logits: np.ndarray, generated: list[int],
          bias: tuple[np.ndarray, np.ndarray] | None, room: int, eos_ids, fold: bool,
-         stats: GrammarStats | None = None) -> tuple[int, list[int], np.ndarray | None]:
+         stats: GrammarStats | None = None, logprobs: bool = True) -> tuple[int, list[int], np.ndarray | None]:
     """(token, forced tokens after it, the masked logits its logprob comes from — None for
-    a forced token). ``room``: tokens the request may still generate. Raises DeadEnd."""
+    a forced token, or without ``logprobs``). ``room``: tokens the request may still
+    generate. Raises DeadEnd."""
     guide = state.guide
     if state.queue:  # folding off: a forced token, fed on its own step
         return state.queue.pop(0), [], None
@@ -61,7 +62,7 @@ def pick(state: GuidedState, sampler: Sampler, logits: np.ndarray, generated: li
             tok = sampler.sample(x, generated, allowed=ok)
         except ValueError as e:
             raise DeadEnd(f"sampling under the constraint failed: {e}") from None
-        masked = np.where(ok, logits, np.float32(-np.inf))
+        masked = np.where(ok, logits, np.float32(-np.inf)) if logprobs else None
         if stats is not None:
             stats.sampled += 1
         if tok in eos_ids:

@@ -161,13 +161,14 @@ class StepPlan:
 @dataclass(frozen=True)
 class SeqOutput:
     """What the runner made of a sampling entry: the token (None for end of turn), or
-    that the request stops here ("stop": a stop string), or an error message. ``forced``:
+    that the request stops here ("stop": a stop string), or an error (a message, which
+    fails the request with engine_error, or a SchedulerError to fail it with). ``forced``:
     tokens that follow ``token`` without sampling (a grammar allows nothing else); they
     count as generated and are fed with it in one step."""
 
     token: int | None = None
     finish_reason: str | None = None
-    error: str | None = None
+    error: str | SchedulerError | None = None
     forced: tuple[int, ...] = ()
     accepted: tuple[int, ...] = ()  # speculation: draft tokens accepted (generated) before ``token``
 
@@ -465,7 +466,8 @@ class Scheduler:
 
     def _apply(self, req: Request, out: SeqOutput | None) -> None:
         if out is None or out.error is not None:
-            self._release(req, Status.FAILED, EngineError(out.error if out else "no output for a sampling entry"))
+            err = out.error if out is not None else "no output for a sampling entry"
+            self._release(req, Status.FAILED, err if isinstance(err, SchedulerError) else EngineError(err))
             return
         req.generated += len(out.accepted)
         if out.token is not None:

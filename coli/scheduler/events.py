@@ -59,9 +59,15 @@ class EngineError(SchedulerError):
     code = "engine_error"
 
 
+class GrammarDeadEndError(SchedulerError, InvalidRequestError):
+    """A constraint (coli.grammar) allows no token before its answer is complete (HTTP 400)."""
+
+    code = "grammar_dead_end"
+
+
 ERRORS: dict[str, type[SchedulerError]] = {
     cls.code: cls for cls in (QueueFullError, QueueTimeoutError, ContextLengthExceededError,
-                              RequestCancelledError, SchedulerClosedError, EngineError)
+                              RequestCancelledError, SchedulerClosedError, EngineError, GrammarDeadEndError)
 }
 
 

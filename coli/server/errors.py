@@ -77,5 +77,5 @@ def from_coli(e: ColiError) -> ApiError:
     if isinstance(e, EngineError):
         return ApiError(500, message, code=e.code)
     if isinstance(e, InvalidRequestError):
-        return ApiError(400, message, param=getattr(e, "param", None))
+        return ApiError(400, message, param=getattr(e, "param", None), code=getattr(e, "code", None))
     return ApiError(400, message)

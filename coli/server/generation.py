@@ -83,7 +83,8 @@ class Generation:
                         prompt, max_tokens=spec.max_tokens, sampling=sampling, stop=spec.stop or None,
                         cache_slot=spec.cache_slot, ignore_leading_stop=spec.ignore_leading_stop,
                         stop_token_ids=spec.stop_token_ids, logprobs=spec.logprobs, logit_bias=spec.logit_bias,
-                        parser=spec.parser() if spec.parser else None, constraint=spec.constraint,
+                        parser=spec.parser() if spec.parser else None,
+                        **({"constraint": spec.constraint} if spec.constraint is not None else {}),
                         **({"speculative": spec.speculative} if spec.speculative else {})))
         except ColiError as e:
             self.cancel()

@@ -172,6 +172,7 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
         raise invalid(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
     # a template without tool calling gets the generic tool format (coli.grammar.tools): tools in the
     # system prompt, calls and results as text, calls parsed (and constrained) in the Hermes syntax
+    last = messages[-1]  # (as sent: the generic format turns calls into text)
     generic = fmt.tools is None and (active or any(m.get("tool_calls") or m["role"] == "tool" for m in messages))
     if generic:
         messages = generic_messages(messages, tools if active else None)
@@ -180,7 +181,6 @@ def render(server, messages: list[dict], *, tools: list[dict] | None = None, too
     names = {t["function"]["name"] for t in tools or []}
     if tool_choice not in (None, "auto", "none", "required") and tool_choice not in names:
         raise invalid(f"tool_choice names the function {tool_choice!r}, which is not among the tools", "tool_choice")
-    last = messages[-1]
     continuing = (server.config.continue_assistant and last["role"] == "assistant"
                   and isinstance(last.get("content"), str) and last["content"] != "")
     if continuing:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from coli.grammar import Constraint, GrammarError
 from coli.grammar import tools as T
-from coli.server.errors import invalid
+from coli.server.errors import invalid, unsupported
 
 GRAMMAR_FIELD = "x_colibri_grammar"
 GRAMMAR_TYPES = ("lark", "regex", "gbnf")
@@ -111,8 +111,22 @@ def default_thinking(answer: Answer, tool_choice, kwargs: dict) -> dict:
 
 def constraint(server, answer: Answer, prompt=None) -> Constraint | None:
     """The constraint for a rendered chat ``prompt`` (None for legacy completions) and the
-    answer asked for; checked against the model's vocabulary (400 naming the field)."""
-    vocab = server.runner.vocabulary
+    answer asked for; checked against the model's vocabulary (400 naming the field). A
+    runner without grammars (the cluster router) refuses a constraint and leaves tool calls
+    unconstrained."""
+    if not answer.constrained and not (prompt is not None and prompt.tool_grammar):
+        return None
+    try:
+        vocab = getattr(server.runner, "vocabulary", None)
+    except GrammarError as e:  # a tokenizer llguidance cannot read (a word-level one)
+        if answer.constrained:
+            raise unsupported(str(e), answer.param) from None
+        return None  # tool calls stay unconstrained
+    if vocab is None:
+        if answer.constrained:
+            raise unsupported("structured outputs need a local model: this runner (the cluster router) has no "
+                              "grammar engine", answer.param)
+        return None
     fmt = prompt.chat_format if prompt is not None else None
     in_reasoning = prompt.in_reasoning if prompt is not None else False
     # an optional reasoning block where the template reasons and thinking is on (or the prompt opened it)
