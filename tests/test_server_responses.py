@@ -158,10 +158,32 @@ def test_max_output_tokens_is_incomplete(client):
     assert r.usage.output_tokens == 3
 
 
+def test_text_format_json_schema_constrains_the_answer(client):
+    """text.format json_schema (here through responses.parse with a Pydantic model): the
+    random-weight model's answer is valid JSON of the schema, streamed or not."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        unit: Literal["celsius", "fahrenheit"]
+        degrees: int = Field(ge=-50, le=50)
+
+    r = client.responses.parse(model="tiny", input="Weather in Lima?", text_format=Reading, max_output_tokens=200,
+                               temperature=0)
+    assert r.status == "completed" and isinstance(r.output_parsed, Reading), r.output_text
+    with client.responses.stream(model="tiny", input="And in Quito?", text_format=Reading, max_output_tokens=200,
+                                 temperature=1.0) as stream:
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Reading), final.output_text
+
+
 def test_refusals_are_clear_400s(client):
     cases = [
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "hosted tools"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}},
+         "text.format.schema"),
         ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
          "images are not supported"),

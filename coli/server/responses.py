@@ -6,7 +6,8 @@ string or items: ``message`` with text parts, ``function_call``, ``function_call
 function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``max_output_tokens``,
 ``temperature``/``top_p``, ``reasoning.effort`` are honoured. Hosted tools (web search,
 file search, code interpreter, ...) and ``background`` are refused with a 400 naming them;
-``text.format`` other than text is refused until structured outputs land. The items
+``text.format`` (``json_object`` / ``json_schema``) constrains the answer like the chat
+endpoints' ``response_format`` (coli.server.structured). The items
 themselves are translated in responses_items.py.
 
 ``store`` (default true) keeps the response in an in-memory LRU of ``MAX_STORED``
@@ -33,11 +34,13 @@ from coli.scheduler import Finished, ReasoningDelta, TextDelta, ToolCallDelta, U
 from coli.server import params as P
 from coli.server.errors import ApiError, invalid, unsupported
 from coli.server.generation import GenSpec, Generation, collect
+from coli.server import structured
+from coli.server.limits import off_loop
 from coli.server.openai import sampling_fields
 from coli.server.prompts import implicit_stops, render
 from coli.server.responses_items import (call_item, chat_tools, effort_of, input_list, input_messages, listed_item,
                                          message_item, new_id, output_message, reasoning_item, refuse_unsupported,
-                                         tool_choice_of, usage_body)
+                                         text_format, tool_choice_of, usage_body)
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
 
@@ -149,14 +152,16 @@ def parse(server, body: dict, store: Store) -> Request:
     effort = effort_of(body)
     kwargs = {"enable_thinking": effort != "none"} if effort is not None else {}
     tools, spaces = chat_tools(body)
+    answer, tool_choice = text_format(body), tool_choice_of(body)
     prompt = render(server, ([{"role": "system", "content": instructions}] if instructions else []) + messages,
-                    tools=tools, tool_choice=tool_choice_of(body),
-                    parallel=P.get(body, "parallel_tool_calls", bool, True), template_kwargs=kwargs, api_param="tools")
+                    tools=tools, tool_choice=tool_choice, parallel=P.get(body, "parallel_tool_calls", bool, True),
+                    template_kwargs=structured.default_thinking(answer, tool_choice, kwargs), api_param="tools")
+    constraint = structured.constraint(server, answer, prompt)
     sampling, bias = sampling_fields(server, body)
     max_tokens = P.integer(body, "max_output_tokens", 1) or server.runner.ctx
     stops, stop_ids = implicit_stops(server)
     spec = GenSpec([prompt.ids], max_tokens, sampling, 1, stops, True, stop_ids, None, bias,
-                   P.integer(body, "cache_slot", 0), lambda: prompt.parser(server))
+                   P.integer(body, "cache_slot", 0), lambda: prompt.parser(server), constraint)
     P.get(body, "stream", bool)
     P.choice(body, "truncation", ("auto", "disabled"))
     P.get(body, "metadata", dict)
@@ -172,7 +177,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     server = server_of(request)
     store = request.app[STORE]
     body = await P.read_json(request)
-    req = parse(server, body, store)
+    req = await off_loop(parse, server, body, store)  # rendering and tokenizing off the event loop
     gen = Generation(server, req.spec)
     entry = Stored(req.response("in_progress", [], None), req.messages, req.items, gen)
     if req.store:

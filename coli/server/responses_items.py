@@ -209,11 +209,6 @@ def refuse_unsupported(body: dict) -> None:
     if P.get(body, "background", bool, False):
         raise unsupported("background: responses run while the request is open; send background: false "
                           "(or leave it out)", "background")
-    text = P.get(body, "text", dict, {})
-    fmt = P.get(text, "format", dict, param="text.format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise unsupported("text.format: only {'type': 'text'} is supported (no structured outputs yet)",
-                          "text.format")
     for name in ("prompt", "conversation"):
         if body.get(name) is not None:
             raise unsupported(f"{name}: stored prompts and conversations are not supported; send input "
@@ -259,3 +254,25 @@ def output_message(output: list[dict]) -> dict:
             msg.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": {
                 "name": it["name"], "arguments": _arguments(it["arguments"])}})
     return msg
+
+
+def text_format(body: dict):
+    """``text.format`` as a structured-output request (coli.server.structured): ``text``,
+    ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict`` beside ``type``)."""
+    from coli.server.structured import Answer
+
+    text = P.get(body, "text", dict, {})
+    fmt = P.get(text, "format", dict, param="text.format")
+    if fmt is None or fmt.get("type") == "text":
+        return Answer()
+    if fmt.get("type") == "json_object":
+        return Answer({"type": "object"}, param="text.format")
+    if fmt.get("type") != "json_schema":
+        raise invalid("text.format.type must be text, json_object or json_schema", "text.format.type")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("text.format.schema must be a JSON schema (an object)", "text.format.schema")
+    strict = fmt.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid("text.format.strict must be a boolean", "text.format.strict")
+    return Answer(schema, strict is not False, param="text.format.schema")
