@@ -6,10 +6,18 @@ _coli() {
     local cmd="coli" i
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "$cmd ${COMP_WORDS[i]}" in
-            "coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli kv"|"coli run"|"coli serve"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
+            "coli atlas"|"coli bench"|"coli chat"|"coli cluster"|"coli convert"|"coli decide"|"coli kv"|"coli list"|"coli plan"|"coli ps"|"coli pull"|"coli rm"|"coli run"|"coli serve"|"coli show"|"coli web"|"coli cluster status"|"coli kv inspect") cmd="$cmd ${COMP_WORDS[i]}" ;;
         esac
     done
     case "$cmd $prev" in
+        "coli atlas --model"|"coli atlas -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --corpus"|"coli atlas -c") COMPREPLY=(); return ;;
+        "coli atlas --out"|"coli atlas -o") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli atlas --regions") COMPREPLY=(); return ;;
+        "coli atlas --max-tokens") COMPREPLY=(); return ;;
+        "coli atlas --batch-tokens") COMPREPLY=(); return ;;
+        "coli atlas --threads"|"coli atlas -t") COMPREPLY=(); return ;;
+        "coli atlas --quant"|"coli atlas -q") COMPREPLY=(); return ;;
         "coli bench --model"|"coli bench -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli bench --synthetic") COMPREPLY=(); return ;;
         "coli bench --quant"|"coli bench -q") COMPREPLY=(); return ;;
@@ -21,6 +29,8 @@ _coli() {
         "coli bench --repeats") COMPREPLY=(); return ;;
         "coli bench --io") COMPREPLY=(); return ;;
         "coli bench --decode") COMPREPLY=(); return ;;
+        "coli bench --schema") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli bench --batch") COMPREPLY=(); return ;;
         "coli bench --speculative") COMPREPLY=(); return ;;
         "coli bench --draft-model") COMPREPLY=(); return ;;
         "coli chat --model"|"coli chat -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -41,14 +51,35 @@ _coli() {
         "coli chat --slots") COMPREPLY=(); return ;;
         "coli chat --url") COMPREPLY=(); return ;;
         "coli chat --api-key") COMPREPLY=(); return ;;
+        "coli chat --json-schema") COMPREPLY=(); return ;;
+        "coli chat --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli cluster status --url") COMPREPLY=(); return ;;
         "coli cluster status --address") COMPREPLY=(); return ;;
         "coli cluster status --cluster-name") COMPREPLY=(); return ;;
         "coli cluster status --api-key") COMPREPLY=(); return ;;
         "coli convert --quant"|"coli convert -q") COMPREPLY=(); return ;;
         "coli convert --head-quant") COMPREPLY=(); return ;;
+        "coli decide --noul"|"coli decide -y") COMPREPLY=(); return ;;
+        "coli decide --choice"|"coli decide -c") COMPREPLY=(); return ;;
+        "coli decide --score"|"coli decide -S") COMPREPLY=(); return ;;
+        "coli decide --questions"|"coli decide -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli decide --state") COMPREPLY=(); return ;;
+        "coli decide --threshold") COMPREPLY=(); return ;;
+        "coli decide --url") COMPREPLY=(); return ;;
+        "coli decide --api-key") COMPREPLY=(); return ;;
+        "coli decide --model"|"coli decide -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli decide --threads"|"coli decide -t") COMPREPLY=(); return ;;
+        "coli decide --quant"|"coli decide -q") COMPREPLY=(); return ;;
+        "coli decide --ctx") COMPREPLY=(); return ;;
         "coli kv inspect --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli kv inspect --model"|"coli kv inspect -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli plan --model"|"coli plan -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli plan --quant"|"coli plan -q") COMPREPLY=(); return ;;
+        "coli plan --ram-budget") COMPREPLY=(); return ;;
+        "coli plan --ctx") COMPREPLY=(); return ;;
+        "coli plan --kv-slots") COMPREPLY=(); return ;;
+        "coli pull --file"|"coli pull -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli pull --quant"|"coli pull -q") COMPREPLY=(); return ;;
         "coli run --model"|"coli run -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --max-tokens"|"coli run -n") COMPREPLY=(); return ;;
         "coli run --temperature") COMPREPLY=(); return ;;
@@ -62,6 +93,8 @@ _coli() {
         "coli run --pin") COMPREPLY=(); return ;;
         "coli run --ctx") COMPREPLY=(); return ;;
         "coli run --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        "coli run --json-schema") COMPREPLY=(); return ;;
+        "coli run --grammar") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --speculative") COMPREPLY=(); return ;;
         "coli run --draft-model") COMPREPLY=(); return ;;
         "coli serve --model"|"coli serve -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -75,6 +108,10 @@ _coli() {
         "coli serve --allowed-host") COMPREPLY=(); return ;;
         "coli serve --cors-origin") COMPREPLY=(); return ;;
         "coli serve --max-body") COMPREPLY=(); return ;;
+        "coli serve --request-timeout") COMPREPLY=(); return ;;
+        "coli serve --idle-timeout") COMPREPLY=(); return ;;
+        "coli serve --max-connections") COMPREPLY=(); return ;;
+        "coli serve --log-format") COMPREPLY=(); return ;;
         "coli serve --threads"|"coli serve -t") COMPREPLY=(); return ;;
         "coli serve --quant"|"coli serve -q") COMPREPLY=(); return ;;
         "coli serve --ram-budget") COMPREPLY=(); return ;;
@@ -99,6 +136,10 @@ _coli() {
         "coli web --allowed-host") COMPREPLY=(); return ;;
         "coli web --cors-origin") COMPREPLY=(); return ;;
         "coli web --max-body") COMPREPLY=(); return ;;
+        "coli web --request-timeout") COMPREPLY=(); return ;;
+        "coli web --idle-timeout") COMPREPLY=(); return ;;
+        "coli web --max-connections") COMPREPLY=(); return ;;
+        "coli web --log-format") COMPREPLY=(); return ;;
         "coli web --threads"|"coli web -t") COMPREPLY=(); return ;;
         "coli web --quant"|"coli web -q") COMPREPLY=(); return ;;
         "coli web --ram-budget") COMPREPLY=(); return ;;
@@ -115,17 +156,25 @@ _coli() {
     esac
     local words files=0
     case "$cmd" in
-        "coli") words="--version bench chat cluster convert kv run serve web"; files=0 ;;
-        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --speculative --draft-model"; files=0 ;;
-        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key"; files=0 ;;
+        "coli") words="--version atlas bench chat cluster convert decide kv list plan ps pull rm run serve show web"; files=0 ;;
+        "coli atlas") words="--model -m --corpus -c --out -o --regions --max-tokens --batch-tokens --restart --threads -t --quant -q"; files=0 ;;
+        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --constrained --schema --batch --speculative --draft-model"; files=0 ;;
+        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
+        "coli decide") words="--noul -y --choice -c --score -S --questions -f --state --threshold --json --table --url --api-key --model -m --threads -t --quant -q --ctx"; files=0 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
-        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
-        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli list") words="--json"; files=0 ;;
+        "coli plan") words="--model -m --quant -q --ram-budget --ctx --kv-slots --json"; files=0 ;;
+        "coli ps") words="--json"; files=0 ;;
+        "coli pull") words="--file -f --quant -q"; files=0 ;;
+        "coli rm") words="--yes -y"; files=0 ;;
+        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --json-schema --grammar --speculative --draft-model"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli show") words="--json"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))
