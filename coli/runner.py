@@ -215,8 +215,14 @@ class Runner:
     @property
     def vocabulary(self):
         """The model's vocabulary as coli.grammar sees it (built on first use)."""
+        if isinstance(self._vocabulary, grammar.GrammarError):  # tried once: the tokenizer cannot be used
+            raise self._vocabulary
         if self._vocabulary is None:
-            self._vocabulary = grammar.Vocabulary.of(self.model)
+            try:
+                self._vocabulary = grammar.Vocabulary.of(self.model)
+            except grammar.GrammarError as e:
+                self._vocabulary = e
+                raise
         return self._vocabulary
 
     def score(self, prompt: Sequence[int], start: int, *, cache_slot: int | None = None,

@@ -259,10 +259,12 @@ def test_a_template_that_drops_system_turns_gets_them_folded(plain):
 
 
 def test_count_tokens_counts_tools_on_a_template_without_tool_calling(plain):
+    """The tools count as rendered: in the generic tool format (coli.grammar.tools) on a
+    template without tool calling, so the count is what a real request's prompt holds."""
     body = {"model": "tiny", "messages": USER}
     _, _, bare = http(plain, "POST", "/v1/messages/count_tokens", body)
     status, _, with_tools = http(plain, "POST", "/v1/messages/count_tokens", {**body, "tools": TOOLS})
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"],
-                                               "description": TOOLS[0]["description"]}}]
-    extra = len(plain.tokenizer.encode(json.dumps(tools, ensure_ascii=False), add_special_tokens=False))
-    assert status == 200 and with_tools["input_tokens"] == bare["input_tokens"] + extra
+    tools_json = len(plain.tokenizer.encode(json.dumps(TOOLS[0]["input_schema"]), add_special_tokens=False))
+    assert status == 200 and with_tools["input_tokens"] > bare["input_tokens"] + tools_json
+    status, _, reply = http(plain, "POST", "/v1/messages", {**body, "tools": TOOLS, "max_tokens": 1})
+    assert status == 200 and reply["usage"]["input_tokens"] == with_tools["input_tokens"]

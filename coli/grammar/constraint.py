@@ -43,7 +43,11 @@ class Vocabulary:
         self.eos_ids = frozenset(eos)
         try:
             self.lltok = LLTokenizer(tokenizer_json, n_vocab=self.size, eos_token=eos or None)
-        except (ValueError, TypeError, RuntimeError) as e:  # e.g. a word-level vocabulary: no bytes to match
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 -- a word-level vocabulary (no bytes to match), or a
+            # tokenizer whose token trie llguidance cannot hold (its Rust code panics: pyo3's
+            # PanicException derives from BaseException)
             raise GrammarError(f"this model's tokenizer cannot be used for constrained decoding: {_one_line(e)}") \
                 from None
         # added tokens (markers such as <tool_call>): grammars refer to them as tokens, not text
