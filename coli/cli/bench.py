@@ -20,7 +20,7 @@ def bench(
     model: ModelOpt = None,
     synthetic: Annotated[Optional[str], typer.Option(
         "--synthetic", help=f"Benchmark a seeded random-weight model instead: {', '.join(SPECS)}.")] = None,
-    quant: Annotated[Optional[str], typer.Option("--quant", "-q", help="f32, bf16, int8 or int4.")] = None,
+    quant: Annotated[Optional[str], typer.Option("--quant", "-q", help="f32, bf16, int8, int4 or int4s.")] = None,
     threads: ThreadsOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,

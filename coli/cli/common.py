@@ -36,7 +36,7 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed that makes 
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 QuantOpt = Annotated[Optional[str], typer.Option(
     "--quant", "-q", envvar="COLI_QUANT", show_envvar=True,
-    help="Weight format: f32, bf16, int8 or int4. Default: f32 for a Hugging Face directory, the converted one's own.")]
+    help="Weight format: f32, bf16, int8, int4 (5-bit asymmetric groups) or int4s (Q4_0-like). Default: f32 for a Hugging Face directory, the converted one's own.")]
 RamBudgetOpt = Annotated[Optional[str], typer.Option(
     "--ram-budget", envvar="COLI_RAM_BUDGET", show_envvar=True,
     help="RAM for experts of a converted model, e.g. 2G. Below their size, experts stream from disk. "

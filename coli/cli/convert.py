@@ -13,7 +13,7 @@ from coli.cli.common import stderr, user_errors
 def convert(
     src: Annotated[str, typer.Argument(help="Hugging Face model directory (config.json, *.safetensors, tokenizer).")],
     dst: Annotated[str, typer.Argument(help="Directory to create.")],
-    quant: Annotated[str, typer.Option("--quant", "-q", help="int4, int8 or bf16 (or f32).")] = "int4",
+    quant: Annotated[str, typer.Option("--quant", "-q", help="int4, int4s, int8 or bf16 (or f32).")] = "int4",
     head_quant: Annotated[Optional[str], typer.Option(
         "--head-quant", help="Format of the LM head and embeddings. Default: int8 under int4, else --quant.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
