@@ -284,6 +284,23 @@ static inline float coli_hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* sum over groups b < n of m[b] * (activation scale * activation sum)[b]: the min term of
+ * the asymmetric int4 format (Q4A), 8 groups per step. */
+static inline float coli_min_term256(const uint16_t *m, const float *qd, const int32_t *qs, int n) {
+    int b = 0;
+    float s = 0.0f;
+#if defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= n; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))),
+                              _mm256_mul_ps(_mm256_loadu_ps(qd + b), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qs + b)))),
+                              acc);
+    s = coli_hsum256(acc);
+#endif
+    for (; b < n; b++) s += coli_f16_to_f32(m[b]) * (qd[b] * (float)qs[b]);
+    return s;
+}
+
 /* 8 int32 lanes of sum(u1 * s1) + sum(u2 * s2), u bytes at most 15 (int4 nibbles, so
  * that the int16 sums of maddubs cannot saturate on plain AVX2). */
 static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
@@ -313,7 +330,7 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
         int b = 0;                                                                                 \
         for (; b + 2 <= nb; b += 2) {                                                              \
             __m256i lo[NR], hi[NR];                                                                \
-            __m256 ws[NR], mv[NR];                                                                 \
+            __m256 ws[NR];                                                                         \
             for (int j = 0; j < NR; j++)                                                           \
                 _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);           \
             for (int j = 0; j < NR; j++) {                                                         \
@@ -322,9 +339,6 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                           \
                 ws[j] = _mm256_set_m128(_mm_set1_ps(coli_f16_to_f32(wd[j * ldd + b + 1])),         \
                                         _mm_set1_ps(coli_f16_to_f32(wd[j * ldd + b])));            \
-                if (ASYM)                                                                          \
-                    mv[j] = _mm256_set_m128(_mm_set1_ps(coli_f16_to_f32(wm[j * ldd + b + 1])),     \
-                                            _mm_set1_ps(coli_f16_to_f32(wm[j * ldd + b])));        \
             }                                                                                      \
             for (int i = 0; i < MR; i++) {                                                         \
                 const int8_t *xp = a->q + i * a->ldq + b * 32;                                     \
@@ -337,19 +351,17 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
                 __m256 xsc = _mm256_set_m128(_mm_set1_ps(xd[1]), _mm_set1_ps(xd[0]));              \
                 __m256i off = _mm256_set_m128i(_mm_set1_epi32(ASYM ? 0 : 2 * xs[1]),              \
                                                _mm_set1_epi32(ASYM ? 0 : 2 * xs[0]));              \
-                /* Q4A: a quarter of each group's m * (scale * sum of x) in each of its 4 lanes */ \
-                __m256 xm = _mm256_set_m128(_mm_set1_ps(0.25f * xd[1] * (float)xs[1]),             \
-                                            _mm_set1_ps(0.25f * xd[0] * (float)xs[0]));            \
                 for (int j = 0; j < NR; j++) {                                                     \
                     __m256i d = _mm256_sub_epi32(coli_dot2_u4s8(lo[j], xlo, hi[j], xhi), off);     \
                     acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[j], xsc), acc[i][j]); \
-                    if (ASYM) acc[i][j] = _mm256_fmadd_ps(mv[j], xm, acc[i][j]);                   \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
                 float s = coli_hsum256(acc[i][j]);                                                 \
+                if (ASYM) /* Q4A: the mins' term of the groups before b, in one vector pass */      \
+                    s += coli_min_term256(wm + j * ldd, a->qd + i * a->ldb, a->qs + i * a->ldb, b); \
                 if (b < nb) {                                                                      \
                     coli_act one = *a;                                                             \
                     one.q += i * a->ldq + b * 32;                                                  \
