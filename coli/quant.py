@@ -3,10 +3,10 @@
 int8: groups of 32 consecutive weights along the input dimension share one float16
 scale d = max|w| / 127, q = round(w / d) in [-127, 127].
 int4 (5 bits per weight): groups of 32 share a float16 scale d and a float16 min m,
-w ~ d * q + m with q in [0, 15]. d and m are chosen to minimise the group's weighted
-squared error (weights |w| + rms(group), as llama.cpp's k-quants do): several candidate
-scales around (max - min) / 15 are tried, each rounding followed by the least-squares d
-and m for it, and the best kept; q is then rounded again against the stored f16 d, m.
+w ~ d * q + m with q in [0, 15]. d and m are chosen to minimise the group's squared
+error: 15 candidate scales around 15 / (max - min) are tried, each rounding followed by
+the least-squares d and m for it, and the best kept; q is then rounded again against the
+stored f16 d, m.
 int4s (4.5 bits per weight; llama.cpp's Q4_0 scheme): groups of 32 share one float16
 scale d = w_max / -8 where w_max is the weight of largest magnitude (sign kept),
 q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8).
@@ -62,30 +62,31 @@ def quantize_int4s(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed.reshape(len(w), -1), d
 
 
-INT4_CANDIDATES = np.linspace(-1.0, 1.0, 9, dtype=np.float32)  # added to 15: the candidate ranges
+INT4_CANDIDATES = np.linspace(-1.4, 1.4, 15, dtype=np.float32)  # added to 15: the candidate ranges
 
 
 def _int4_fit(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(d, m) float32 (n, 1) minimising sum wt * (d * q + m - g)^2 over (n, 32) groups g."""
+    """(d, m) float32 (n, 1) minimising sum (d * q + m - g)^2 over (n, 32) groups g, q the
+    rounding of g onto the grid of one of the candidate scales (15 + c) / (max - min)."""
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
     span = hi - lo
-    wt = np.abs(g) + np.sqrt((g * g).mean(-1, keepdims=True))
-    sw, sx = wt.sum(-1, keepdims=True), (wt * g).sum(-1, keepdims=True)
+    n = np.float32(g.shape[-1])
+    sx = g.sum(-1, keepdims=True)
     best_d = span / 15.0
     best_m = lo.copy()
     inv = np.divide(1.0, best_d, out=np.zeros_like(best_d), where=best_d > 0)
     q = np.clip(np.rint((g - lo) * inv), 0, 15)
-    best = (wt * (best_d * q + best_m - g) ** 2).sum(-1, keepdims=True)
+    best = ((best_d * q + best_m - g) ** 2).sum(-1, keepdims=True)
     for c in INT4_CANDIDATES:
         iscale = np.divide(15.0 + c, span, out=np.zeros_like(span), where=span > 0)
         q = np.clip(np.rint((g - lo) * iscale), 0, 15)
-        sl, sll, slx = (wt * q).sum(-1, keepdims=True), (wt * q * q).sum(-1, keepdims=True), (wt * q * g).sum(-1, keepdims=True)
-        det = sw * sll - sl * sl
-        ok = det > 1e-30 * sw * sll
+        sl, sll, slx = q.sum(-1, keepdims=True), (q * q).sum(-1, keepdims=True), (q * g).sum(-1, keepdims=True)
+        det = n * sll - sl * sl
+        ok = det > 0.5  # q is not constant (det is an integer)
         det = np.where(ok, det, 1.0)
-        d = np.where(ok, (sw * slx - sl * sx) / det, best_d)
+        d = np.where(ok, (n * slx - sl * sx) / det, best_d)
         m = np.where(ok, (sll * sx - sl * slx) / det, best_m)
-        err = (wt * (d * q + m - g) ** 2).sum(-1, keepdims=True)
+        err = ((d * q + m - g) ** 2).sum(-1, keepdims=True)
         better = ok & (err < best)
         best_d, best_m, best = np.where(better, d, best_d), np.where(better, m, best_m), np.where(better, err, best)
     return best_d, best_m
