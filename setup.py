@@ -9,7 +9,7 @@ path, each into its own extension module coli._engine._kernels_<path>:
   scalar      the platform's baseline (any x86-64; the only path on other CPUs)
 
 coli/_engine/kernels.py picks one at import time from CPUID (coli/_engine/_cpu.pyx), so one
-build runs at its best on every CPU; COLI_SIMD=<path> forces one (see docs/PERFORMANCE.md).
+build runs at its best on every CPU; COLI_SIMD=<path> forces one (README.md, Building).
 
 Environment switches:
   COLI_NATIVE=1        one module instead, compiled with -march=native (the fastest code for
@@ -108,7 +108,7 @@ class BuildExt(build_ext):
         omp = _openmp_flags(self.compiler)
         if omp is None:
             self.warn("coli: no OpenMP with this compiler; the kernels are built single-threaded "
-                      "(on macOS: brew install libomp, see docs/PERFORMANCE.md)")
+                      "(on macOS: brew install libomp, see README.md, Building)")
         for ext in self.extensions:
             if omp is not None and ext.name.startswith("coli._engine._kernels_"):
                 ext.extra_compile_args = list(ext.extra_compile_args) + omp[0]
@@ -143,4 +143,5 @@ extensions = [_kernels(p, f) for p, f in targets.items()]
 extensions.append(Extension("coli._engine._cpu", ["coli/_engine/_cpu.pyx"], include_dirs=["coli/_engine"],
                             extra_compile_args=base_args))
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives), cmdclass={"build_ext": BuildExt})
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=min(4, os.cpu_count() or 1)),
+      cmdclass={"build_ext": BuildExt})

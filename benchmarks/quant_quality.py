@@ -1,11 +1,16 @@
 """How far each weight format moves a model from its f32 self.
 
     python benchmarks/quant_quality.py [--model DIR | --synthetic olmoe-mini] [--prompts 8] [--tokens 32]
+    python benchmarks/quant_quality.py --model DIR --text FILE [--positions 1172] [--formats int8,int4,int4s]
 
 For each format: the relative logit error ||q - f|| / ||f|| over all positions of the
 prompts, the mean KL divergence KL(f || q) of the next-token distributions, how often
 the top-1 token agrees, and how many greedy tokens agree before the first divergence
 (continuing from the same prompts, --tokens steps).
+
+With --text: one forward pass over the first --positions tokens of FILE per format, and
+per format the mean KL(f32 || q) over every position, the top-1 agreement with f32 and the
+perplexity of the text (the table of docs/QUANTIZATION.md).
 """
 from __future__ import annotations
 
@@ -60,6 +65,24 @@ def measure(path, prompts, tokens, formats, head_quant=None):
     return rows
 
 
+def measure_text(path, ids, formats):
+    """KL(f32 || q), top-1 agreement and perplexity over one text, per (format, head) pair."""
+    ref = _softmax_log(coli.load(path, quant="f32").forward(ids))
+    nxt = np.asarray(ids[1:])
+    rows = [{"format": "f32", "head": "f32", "mean_kl": 0.0, "top1_agreement": 1.0,
+             "perplexity": float(np.exp(-ref[np.arange(len(nxt)), nxt].mean()))}]
+    for spec in formats:
+        fmt, _, head = spec.partition("/")
+        m = coli.load(path, quant=fmt, head_quant=head or None)
+        q = _softmax_log(m.forward(ids))
+        rows.append({"format": fmt, "head": m.weights.head_quant,
+                     "mean_kl": float((np.exp(ref[:-1]) * (ref[:-1] - q[:-1])).sum(-1).mean()),
+                     "top1_agreement": float((q.argmax(-1) == ref.argmax(-1)).mean()),
+                     "perplexity": float(np.exp(-q[np.arange(len(nxt)), nxt].mean()))})
+        m.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -68,7 +91,24 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--text", help="measure KL / top-1 / perplexity over this text file")
+    ap.add_argument("--positions", type=int, default=1172)
+    ap.add_argument("--formats", default="int8,int4,int4s",
+                    help="comma-separated formats, each optionally /HEAD (e.g. int4/int4)")
     a = ap.parse_args()
+    if a.text:
+        m = coli.load(a.model or resolve_model_path(None))
+        ids = m.tokenizer.encode(open(a.text).read())[: a.positions]
+        rows = measure_text(m.path, ids, [f for f in a.formats.split(",") if f])
+        if a.json:
+            print(json.dumps({"model": str(m.path), "positions": len(ids), "rows": rows}, indent=1))
+            return
+        print(f"model {m.path}: {len(ids)} positions of {a.text}")
+        print("| format | head | KL(f32 ‖ q) | top-1 agreement | perplexity |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['format']} | {r['head']} | {r['mean_kl']:.4f} | {r['top1_agreement']:.1%} | {r['perplexity']:.2f} |")
+        return
     if a.synthetic:
         path = synthetic.cache_dir() / f"{a.synthetic}-hf-s0"
         if not (path / "config.json").exists():
@@ -84,7 +124,7 @@ def main() -> None:
         prompts = [m.prompt_ids(t) for t in texts]
     else:
         prompts = [rng.integers(2, m.config.vocab_size, a.prompt_tokens).tolist() for _ in range(a.prompts)]
-    rows = measure(path, prompts, a.tokens, ["bf16", "int8", "int4"])
+    rows = measure(path, prompts, a.tokens, ["bf16", "int8", "int4", "int4s"])
     rows += [dict(r, format="int4 (head int4)") for r in measure(path, prompts, a.tokens, ["int4"], head_quant="int4")]
     if a.json:
         print(json.dumps({"model": str(path), "rows": rows}, indent=1))

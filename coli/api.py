@@ -55,10 +55,10 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
     $COLI_THREADS, then the usable cores; ``max_context`` to the model's own.
-    ``quant`` ("f32", "bf16", "int8", "int4") is the format of linear layers and
+    ``quant`` ("f32", "bf16", "int8", "int4", "int4s") is the format of linear layers and
     experts (Hugging Face directories default to f32; a converted directory has its
     own); ``head_quant`` that of the LM head and embeddings (default: the same,
-    except int8 under int4).
+    except int8 under int4 and int4s).
 
     ``process_budget`` (bytes or "2G", what the CLI's --ram-budget sets) is the whole
     process's memory: the RAM for experts is what it leaves after the dense weights, KV

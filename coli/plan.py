@@ -19,7 +19,7 @@ from pathlib import Path
 
 from coli.errors import ModelLoadError
 
-BYTES = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 2 / 32, "int4": 0.5 + 2 / 32}
+BYTES = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 2 / 32, "int4": 0.5 + 4 / 32, "int4s": 0.5 + 2 / 32}
 RUNTIME = 160 << 20  # the interpreter, NumPy, tokenizers and the engine's own code, measured ~150 MiB
 MIN_CTX = 512  # the least context per slot worth starting with
 HEAD_NAMES = ("embed_tokens", "lm_head", "token_embd", "output.weight")
@@ -140,7 +140,7 @@ class Plan:
     def suggestions(self) -> list[str]:
         out, room = [], (self.usable or 0) - self.buffers - RUNTIME
         for q in ("int8", "int4"):
-            if BYTES[q] < BYTES[self.quant] and self.quant not in ("int4",):
+            if BYTES[q] < BYTES[self.quant] and self.quant not in ("int4", "int4s"):
                 w = (self.weights + self.experts_total) * BYTES[q] / BYTES[self.quant]
                 if w + self.kv_per_token * MIN_CTX * self.kv_slots <= room:
                     out.append(f"try --quant {q}")

@@ -1,10 +1,17 @@
-"""Weight formats: f32, bf16, int8 and int4 (group-wise), chosen once at load time.
+"""Weight formats: f32, bf16, int8, int4 and int4s (group-wise), chosen once at load time.
 
 int8: groups of 32 consecutive weights along the input dimension share one float16
 scale d = max|w| / 127, q = round(w / d) in [-127, 127].
-int4: groups of 32 share one float16 scale d = w_max / -8 where w_max is the weight
-of largest magnitude (sign kept), q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8);
-two weights per byte: byte i of a group holds element i (low nibble) and i + 16 (high).
+int4 (5 bits per weight): groups of 32 share a float16 scale d and a float16 min m,
+w ~ d * q + m with q in [0, 15]. d and m are chosen to minimise the group's squared
+error: 15 candidate scales around 15 / (max - min) are tried, each rounding followed by
+the least-squares d and m for it, and the best kept; q is then rounded again against the
+stored f16 d, m.
+int4s (4.5 bits per weight; llama.cpp's Q4_0 scheme): groups of 32 share one float16
+scale d = w_max / -8 where w_max is the weight of largest magnitude (sign kept),
+q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8).
+int4 and int4s pack two weights per byte: byte i of a group holds element i (low nibble)
+and i + 16 (high).
 The input dimension is zero-padded to a multiple of 32. Activations are quantized to
 int8 groups of 32 on the fly by the kernels (see coli/_engine/simd_q.h).
 """
@@ -15,7 +22,7 @@ import numpy as np
 from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
 
-FORMATS = ("f32", "bf16", "int8", "int4")
+FORMATS = ("f32", "bf16", "int8", "int4", "int4s")
 QK = 32
 
 
@@ -43,7 +50,7 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(len(w), -1), d
 
 
-def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_int4s(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     g = _groups(w)  # (N, nb, 32)
     at = np.abs(g).argmax(axis=-1)[..., None]
     wmax = np.take_along_axis(g, at, axis=-1)  # (N, nb, 1) signed
@@ -53,6 +60,57 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q = np.clip(np.rint(g * inv) + 8, 0, 15).astype(np.uint8)  # (N, nb, 32)
     packed = q[..., :16] | (q[..., 16:] << 4)  # (N, nb, 16)
     return packed.reshape(len(w), -1), d
+
+
+INT4_CANDIDATES = np.linspace(-1.4, 1.4, 15, dtype=np.float32)  # added to 15: the candidate ranges
+
+
+def _int4_fit(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d, m) float32 (n, 1) minimising sum (d * q + m - g)^2 over (n, 32) groups g, q the
+    rounding of g onto the grid of one of the candidate scales (15 + c) / (max - min)."""
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    span = hi - lo
+    n = np.float32(g.shape[-1])
+    sx = g.sum(-1, keepdims=True)
+    best_d = span / 15.0
+    best_m = lo.copy()
+    inv = np.divide(1.0, best_d, out=np.zeros_like(best_d), where=best_d > 0)
+    q = np.clip(np.rint((g - lo) * inv), 0, 15)
+    best = ((best_d * q + best_m - g) ** 2).sum(-1, keepdims=True)
+    for c in INT4_CANDIDATES:
+        iscale = np.divide(15.0 + c, span, out=np.zeros_like(span), where=span > 0)
+        q = np.clip(np.rint((g - lo) * iscale), 0, 15)
+        sl, sll, slx = q.sum(-1, keepdims=True), (q * q).sum(-1, keepdims=True), (q * g).sum(-1, keepdims=True)
+        det = n * sll - sl * sl
+        ok = det > 0.5  # q is not constant (det is an integer)
+        det = np.where(ok, det, 1.0)
+        d = np.where(ok, (n * slx - sl * sx) / det, best_d)
+        m = np.where(ok, (sll * sx - sl * slx) / det, best_m)
+        err = ((d * q + m - g) ** 2).sum(-1, keepdims=True)
+        better = ok & (err < best)
+        best_d, best_m, best = np.where(better, d, best_d), np.where(better, m, best_m), np.where(better, err, best)
+    return best_d, best_m
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed nibbles (N, Kp/2) uint8, scales d (N, Kp/32) f16, mins m (N, Kp/32) f16)."""
+    g = _groups(w)  # (N, nb, 32)
+    N, nb, _ = g.shape
+    flat = g.reshape(-1, QK)
+    d16 = np.empty(len(flat), np.float16)
+    m16 = np.empty(len(flat), np.float16)
+    q = np.empty(flat.shape, np.uint8)
+    step = 1 << 16  # groups at a time: bounded scratch
+    for s in range(0, len(flat), step):
+        x = flat[s: s + step]
+        d, m = _int4_fit(x)
+        d16[s: s + step], m16[s: s + step] = d[:, 0].astype(np.float16), m[:, 0].astype(np.float16)
+        df, mf = d16[s: s + step].astype(np.float32)[:, None], m16[s: s + step].astype(np.float32)[:, None]
+        inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+        q[s: s + step] = np.clip(np.rint((x - mf) * inv), 0, 15).astype(np.uint8)
+    q = q.reshape(N, nb, QK)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(N, -1), d16.reshape(N, nb), m16.reshape(N, nb)
 
 
 def to_bf16(w: np.ndarray) -> np.ndarray:
@@ -69,7 +127,10 @@ def quantize(w: np.ndarray, fmt: str) -> K.QMatrix:
         return K.QMatrix(code, np.ascontiguousarray(w, dtype=np.float32), None, N, Kdim)
     if fmt == "bf16":
         return K.QMatrix(code, to_bf16(w), None, N, Kdim)
-    q, d = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
+    if fmt == "int4":
+        q, d, m = quantize_int4(w)
+        return K.QMatrix(code, q, d, N, Kdim, m)
+    q, d = quantize_int8(w) if fmt == "int8" else quantize_int4s(w)
     return K.QMatrix(code, q, d, N, Kdim)
 
 
@@ -84,8 +145,11 @@ def dequantize(m: K.QMatrix) -> np.ndarray:
         w = m.data.reshape(m.rows, -1, QK).astype(np.float32) * d
     else:
         p = m.data.reshape(m.rows, -1, 16)
-        q = np.concatenate([p & 15, p >> 4], axis=-1).astype(np.float32) - 8  # (N, nb, 32)
-        w = q * d
+        q = np.concatenate([p & 15, p >> 4], axis=-1).astype(np.float32)  # (N, nb, 32)
+        if m.format == "int4":
+            w = q * d + m.mins.astype(np.float32)[..., None]
+        else:
+            w = (q - 8) * d
     return w.reshape(m.rows, -1)[:, : m.cols]
 
 

@@ -135,13 +135,15 @@ def _random_quantized(rng: np.random.Generator, shape, fmt: str, std: float = ST
 
     rows, cols = shape
     kp = K.padded(cols)
-    d = np.full((rows, kp // 32), std / (INT4_CODE_STD if fmt == "int4" else 50.0), dtype=np.float16)
-    if fmt == "int4":  # both nibbles uniform in 1..15, i.e. values -7..7: zero mean
+    int4 = fmt in ("int4", "int4s")
+    d = np.full((rows, kp // 32), std / (INT4_CODE_STD if int4 else 50.0), dtype=np.float16)
+    if int4:  # both nibbles uniform in 1..15, i.e. values -7..7: zero mean (int4: min -8 d)
         lo = rng.integers(1, 16, size=(rows, kp // 2), dtype=np.uint8)
         q = lo | (rng.integers(1, 16, size=(rows, kp // 2), dtype=np.uint8) << 4)
     else:
         q = np.clip(rng.normal(0, 50.0, size=(rows, kp)), -127, 127).astype(np.int8)
-    return K.QMatrix(K.FORMATS[fmt], q, d, rows, cols)
+    mins = (d.astype(np.float32) * -8).astype(np.float16) if fmt == "int4" else None
+    return K.QMatrix(K.FORMATS[fmt], q, d, rows, cols, mins)
 
 
 def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed: int = 0) -> Path:
@@ -163,7 +165,7 @@ def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed
     for n, shape, kind in tensor_shapes(name):
         if ".mlp.experts." in n:
             layer = n.split(".experts.")[0]
-            experts.append(_random_quantized(rng, shape, quant) if quant in ("int4", "int8")
+            experts.append(_random_quantized(rng, shape, quant) if quant in ("int4", "int4s", "int8")
                            else quantize(_value(rng, shape, kind), quant))
             if len(experts) == 3 * SPECS[name]["num_experts"]:
                 w.add_experts(layer, [tuple(experts[i : i + 3]) for i in range(0, len(experts), 3)])
@@ -172,7 +174,7 @@ def write_converted(name: str, out: str | os.PathLike, quant: str = "int4", seed
         if kind == "w":
             fmt = head_quant if n in ("model.embed_tokens.weight", "lm_head.weight") else quant
             std = EMBED_STD if n == "model.embed_tokens.weight" else STD
-            w.add_matrix(n, _random_quantized(rng, shape, fmt, std) if fmt in ("int4", "int8")
+            w.add_matrix(n, _random_quantized(rng, shape, fmt, std) if fmt in ("int4", "int4s", "int8")
                          else quantize(_value(rng, shape, kind) * (std / STD), fmt))
         else:
             w.add_f32(n, _value(rng, shape, kind))

@@ -1,6 +1,6 @@
 """GGUF files loaded directly: each architecture written as llama.cpp writes it (tests/gguf_kit.py)
 from the tiny seeded checkpoints, against the same checkpoint loaded from safetensors; Q8_0 and
-Q4_0 repacked bit for bit; the other types within their error; bad files refused in one line."""
+Q4_0/Q4_1 repacked bit for bit; the other types within their error; bad files refused in one line."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,28 +61,31 @@ def test_f32_gguf_matches_safetensors(name, models, ggufs):
     assert np.abs(got - ref).max() <= 1e-4, f"{name}: max |diff| {np.abs(got - ref).max():.2e}"
 
 
-@pytest.mark.parametrize("qtype,fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
+@pytest.mark.parametrize("qtype,fmt", [("Q8_0", "int8"), ("Q4_0", "int4s"), ("Q4_1", "int4")])
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
-def test_q8_0_and_q4_0_are_repacked_bit_for_bit(name, qtype, fmt, hf_models, ggufs, tmp_path):
-    """The GGUF's blocks become coli's int8/int4 arrays unchanged; the logits equal those
-    of the same quantized matrices built from the dequantized GGUF (no second rounding)."""
+def test_q8_0_q4_0_and_q4_1_are_repacked_bit_for_bit(name, qtype, fmt, hf_models, ggufs, tmp_path):
+    """The GGUF's blocks become coli's int8/int4s/int4 arrays unchanged (scale, min and
+    nibbles); what they stand for equals the GGUF's dequantized values exactly."""
     g = GGUFModel(ggufs(name, qtype))
     w = GGUFWeights(g)
     assert (w.quant, w.head_quant) == (fmt, fmt)
     t = g.tensors["blk.0.attn_v.weight"]
     m = w.matrix("model.layers.0.self_attn.v_proj.weight", int(t.shape[1]), int(t.shape[0]))
-    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1, 34 if qtype == "Q8_0" else 18)
+    size, head = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}[qtype]
+    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1, size)
     assert np.array_equal(m.scales.view(np.uint16), raw[..., :2].copy().view(np.uint16)[..., 0])
-    assert np.array_equal(m.data.view(np.uint8).reshape(raw.shape[0], raw.shape[1], -1), raw[..., 2:])
-    # what the GGUF stands for, in coli's format, equals the repacked matrix exactly
+    if qtype == "Q4_1":
+        assert np.array_equal(m.mins.view(np.uint16), raw[..., 2:4].copy().view(np.uint16)[..., 0])
+    assert np.array_equal(m.data.view(np.uint8).reshape(raw.shape[0], raw.shape[1], -1), raw[..., head:])
     deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
     assert np.array_equal(dequantize(m), deq)
-    # end to end: the same logits as the GGUF's dequantized values quantized by coli itself
-    # (exact: a Q8_0/Q4_0 block's largest weight gives back its own scale), so no second rounding
     ids = prompt_ids(10)
     got = coli.load(ggufs(name, qtype), threads=1).forward(ids)
-    deq = _rewrite(ggufs(name, qtype), tmp_path / "deq.gguf", lambda n, t: _dequantized(t))
-    assert np.array_equal(got, coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
+    if qtype != "Q4_1":
+        # end to end: the same logits as the GGUF's dequantized values quantized by coli itself
+        # (exact: a Q8_0/Q4_0 block's largest weight gives back its own scale), so no second rounding
+        deq = _rewrite(ggufs(name, qtype), tmp_path / "deq.gguf", lambda n, t: _dequantized(t))
+        assert np.array_equal(got, coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
     near = coli.load(hf_models(name), threads=1, quant=fmt).forward(ids)  # coli's own quantizer: close
     assert np.abs(got - near).max() < 1.0
 
@@ -94,7 +97,7 @@ def test_repack_keeps_q4_0_nibble_order():
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
     m = repack(blocks, "Q4_0", 3, 64)
     assert np.array_equal(dequantize(m), gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0))
-    assert np.abs(dequantize(quantize(w, "int4")) - dequantize(m)).max() < 0.5
+    assert np.abs(dequantize(quantize(w, "int4s")) - dequantize(m)).max() < 0.5
 
 
 def _dequantized(t) -> np.ndarray:
@@ -122,7 +125,7 @@ def _rewrite(src_path, out, tensor):
     return out
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["F16", "Q5_0", "Q5_1"])
 def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp_path):
     """Types coli has no layout for are dequantized (as f32: exactly the GGUF's values) and
     quantized to the closest format by default; near the original checkpoint's logits."""
@@ -132,7 +135,7 @@ def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp
     exact = coli.load(path, threads=1, quant="f32")
     assert np.array_equal(exact.forward(ids), coli.load(deq, threads=1).forward(ids))
     m = coli.load(path, threads=1)
-    fmt = {"F16": "f32", "Q4_1": "int4"}.get(qtype, "int8")
+    fmt = {"F16": "f32"}.get(qtype, "int8")
     assert (m.weights.quant, m.weights.head_quant) == (fmt, fmt)
     assert np.array_equal(m.forward(ids), coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
     ref = coli.load(hf_models("llama"), threads=1).forward(ids)

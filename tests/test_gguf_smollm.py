@@ -85,4 +85,4 @@ def test_default_format_is_the_closest(smollm):
 
     g = GGUFModel(smollm)
     assert g.file_types().most_common(1)[0][0] == "Q4_1"
-    assert GGUFWeights(g).quant == "int4"  # Q4_1 -> int4, dequantized then quantized
+    assert GGUFWeights(g).quant == "int4"  # Q4_1 -> int4, repacked bit for bit

@@ -275,7 +275,7 @@ def test_moe_route_softmax(M, E, k, renorm):
 
 @pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 16, 8), (6, 5, 2, 33, 17), (11, 8, 3, 40, 23), (3, 4, 2, 64, 96)])
 @pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4s"])
 def test_moe_experts(M, E, k, H, I, act, fmt):
     x = rand(M, H)
     gate, up, down = rand(E, I, H, scale=0.3), rand(E, I, H, scale=0.3), rand(E, H, I, scale=0.3)
@@ -300,7 +300,7 @@ def test_moe_experts(M, E, k, H, I, act, fmt):
                 xm = x[m : m + 1]
                 h = R.ACTS[act](reference_qlinear(xm, mats[e][0]).astype(np.float64)) * reference_qlinear(xm, mats[e][1])
                 ref[m] += w[m, j] * reference_qlinear(h.astype(np.float32), mats[e][2])[0]
-    tol = TOL if fmt != "int4" else dict(atol=1e-4, rtol=1e-4)
+    tol = TOL if not fmt.startswith("int4") else dict(atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out, ref, **tol)
     np.testing.assert_array_equal(counts, np.bincount(idx.ravel(), minlength=E))
 
@@ -320,7 +320,7 @@ def test_moe_experts_checks_its_scratch():
     assert not counts.any()
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4s"])
 @pytest.mark.parametrize("M,N,K_", [(1, 5, 32), (3, 17, 64), (2, 9, 80), (5, 33, 100), (9, 20, 1024), (4, 8, 7), (6, 7, 160), (5, 6, 608), (2, 5, 1055), (1, 4, 128), (1, 6, 704), (3, 11, 736)])
 def test_qlinear(fmt, M, N, K_):
     """Every format against its NumPy twin: same quantized operands, float64 accumulation."""
@@ -333,7 +333,7 @@ def test_qlinear(fmt, M, N, K_):
     np.testing.assert_allclose(out, reference_qlinear(x, m) + b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4s"])
 def test_quantization_error_is_bounded(fmt):
     """Dequantized weights stay within half a step of the originals (int4: one step, since
     the positive side of a group whose extreme is negative is clipped at +7 steps)."""
@@ -344,7 +344,7 @@ def test_quantization_error_is_bounded(fmt):
     assert np.all(err <= step * (0.5 if fmt == "int8" else 1.0) + 1e-3 * np.abs(w).max())
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4s"])
 def test_embed_rows(fmt):
     table = quantize(rand(40, 45), fmt)
     ids = np.array([0, 39, 7, 7], np.int32)
@@ -430,7 +430,7 @@ def _scratch(M, K_):
     return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4s"])
 @pytest.mark.parametrize("M,K_", [(1, 64), (3, 100), (4, 1024), (64, 96)])
 def test_qlinear_many_equals_one_call_per_matrix(fmt, M, K_):
     """q, k, v (or gate, up) in one call: bit-identical to three qlinear calls, biases or not."""

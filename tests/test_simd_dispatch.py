@@ -79,7 +79,20 @@ def test_every_path_passes_the_kernel_parity_tests(path):
     if path == K.simd_name():
         return  # tests/test_kernels.py runs in this very process on it
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "1thread",
-                        "tests/test_kernels.py"],
+                        "tests/test_kernels.py", "tests/test_quant_formats.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
+
+
+def test_coli_bench_reports_the_forced_path():
+    """`coli bench` says which SIMD path ran (so does /health's hardware.simd, from the same
+    kernels.simd_name())."""
+    import json
+
+    path = "avx2" if "avx2" in dispatch.runnable() else "scalar"
+    r = subprocess.run([sys.executable, "-m", "coli.cli", "bench", "--synthetic", "tiny", "-q", "int4", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(COLI_SIMD=path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["simd"] == path and out["quant"] == "int4"

@@ -69,6 +69,7 @@ cdef extern from "simd_q.h" nogil:
         int fmt
         const void *w
         const uint16_t *d
+        const uint16_t *m
         long ldw
         long ldd
     ctypedef struct coli_act:
@@ -84,6 +85,7 @@ cdef extern from "simd_q.h" nogil:
         COLI_BF16
         COLI_Q8
         COLI_Q4
+        COLI_Q4A
     void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s)
     void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)

@@ -1,7 +1,7 @@
 # Included by kernels.pyx: weight matrices in any format (f32, bf16, q8, q4), the
 # quantized linear layer, and the mixture-of-experts kernel built on them.
 
-FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4}
+FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4A, "int4s": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 
 
@@ -15,29 +15,38 @@ cdef class QMatrix:
 
     f32: data float32 (rows, cols). bf16: data uint16 (rows, cols).
     int8: data int8 (rows, Kp), scales float16 (rows, Kp/32).
-    int4: data uint8 (rows, Kp/2), scales float16 (rows, Kp/32). Kp = padded(cols)."""
+    int4s: data uint8 (rows, Kp/2), scales float16 (rows, Kp/32).
+    int4: as int4s, plus mins float16 (rows, Kp/32). Kp = padded(cols)."""
     cdef coli_mat m
     cdef readonly int fmt, rows, cols
-    cdef readonly object data, scales
+    cdef readonly object data, scales, mins
 
-    def __init__(self, int fmt, data, scales, int rows, int cols):
+    def __init__(self, int fmt, data, scales, int rows, int cols, mins=None):
         cdef int kp = padded(cols)
         want = {COLI_F32: (np.float32, (rows, cols)), COLI_BF16: (np.uint16, (rows, cols)),
-                COLI_Q8: (np.int8, (rows, kp)), COLI_Q4: (np.uint8, (rows, kp // 2))}
+                COLI_Q8: (np.int8, (rows, kp)), COLI_Q4: (np.uint8, (rows, kp // 2)),
+                COLI_Q4A: (np.uint8, (rows, kp // 2))}
         if fmt not in want:
             raise ValueError(f"QMatrix: unknown format {fmt}")
         dt, shape = want[fmt]
         if data.dtype != dt or tuple(data.shape) != shape or not data.flags.c_contiguous:
             raise ValueError(f"QMatrix: {FORMAT_NAMES[fmt]} data must be C-contiguous {np.dtype(dt)} {shape}, "
                              f"got {data.dtype} {tuple(data.shape)}")
-        if fmt in (COLI_Q8, COLI_Q4):
+        if fmt in (COLI_Q8, COLI_Q4, COLI_Q4A):
             if (scales is None or scales.dtype != np.float16 or tuple(scales.shape) != (rows, kp // QK)
                     or not scales.flags.c_contiguous):
                 raise ValueError(f"QMatrix: {FORMAT_NAMES[fmt]} scales must be C-contiguous float16 ({rows}, {kp // QK})")
-        self.fmt, self.rows, self.cols, self.data, self.scales = fmt, rows, cols, data, scales
+        if fmt == COLI_Q4A:
+            if (mins is None or mins.dtype != np.float16 or tuple(mins.shape) != (rows, kp // QK)
+                    or not mins.flags.c_contiguous):
+                raise ValueError(f"QMatrix: int4 mins must be C-contiguous float16 ({rows}, {kp // QK})")
+        else:
+            mins = None
+        self.fmt, self.rows, self.cols, self.data, self.scales, self.mins = fmt, rows, cols, data, scales, mins
         self.m.fmt = fmt
         self.m.w = <const void *><size_t>data.ctypes.data
         self.m.d = <const uint16_t *><size_t>scales.ctypes.data if scales is not None else NULL
+        self.m.m = <const uint16_t *><size_t>mins.ctypes.data if mins is not None else NULL
         self.m.ldw = shape[1]
         self.m.ldd = kp // QK
 
@@ -47,7 +56,8 @@ cdef class QMatrix:
 
     @property
     def nbytes(self):
-        return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+        return (self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+                + (self.mins.nbytes if self.mins is not None else 0))
 
 
 def embed_rows(const int32_t[::1] ids, QMatrix table, float[:, ::1] out, float scale=1.0):
@@ -159,7 +169,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     if not 0 < n <= MAX_MANY or len(outs) != n or len(biases) != n:
         raise ValueError("qlinear: 1 to 8 matrices, one output and one bias (or None) each")
     cdef int fmt = (<QMatrix?>mats[0]).fmt
-    cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4
+    cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4 or fmt == COLI_Q4A
     g.n, g.M, g.K = n, M, K
     for i in range(n):
         w = <QMatrix?>mats[i]
@@ -369,7 +379,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef int64_t *counts_p = <int64_t *>_arr(counts, cnp.NPY_INT64, 1, True, "moe_experts: counts")
     cdef int M = _dim(x, 0), H = _dim(x, 1), k = _dim(idx, 1), E = table.n_experts, inter = table.inter
     cdef int pairs = M * k
-    cdef bint quant = table.fmt == COLI_Q8 or table.fmt == COLI_Q4
+    cdef bint quant = table.fmt == COLI_Q8 or table.fmt == COLI_Q4 or table.fmt == COLI_Q4A
     if (H != table.hidden or _dim(idx, 0) != M or _dim(weights, 0) != M or _dim(weights, 1) != k
             or _dim(out, 0) != M or _dim(out, 1) != H):
         raise ValueError("moe_experts: shape mismatch")

@@ -1,8 +1,9 @@
 /* SIMD building blocks for the fp32 kernels of coli._engine.kernels.
  *
  * One vector abstraction (cv_*) picked at compile time: AVX-512F, AVX2+FMA, or a
- * scalar fallback (COLI_PORTABLE=1 builds without -march=native and land here
- * unless the compiler's baseline already has AVX2).
+ * scalar fallback. setup.py compiles the kernels once per SIMD path (avx512vnni,
+ * avx512, avx2, scalar: each its own module with its own -m flags) and
+ * coli/_engine/dispatch.py loads the one the CPU has at run time.
  *
  * The central primitive is coli_gemm_nt: Y[m, n] = dot(X[m, :K], W[n, :K]) for a
  * block of rows of a row-major weight W[N, K] (PyTorch's Linear layout, so the

@@ -8,7 +8,10 @@
  *   COLI_Q4    int4 in groups of 32 along K, one float16 scale per group:
  *              q (N, Kp/2) uint8, d (N, Kp/32) f16;  w = d * (nibble - 8).
  *              Within a group's 16 bytes, byte i holds element i (low nibble)
- *              and element i + 16 (high nibble).
+ *              and element i + 16 (high nibble).                  (user-facing name: int4s)
+ *   COLI_Q4A   int4 in groups of 32 along K with a float16 scale and a float16 min per
+ *              group (asymmetric): q as COLI_Q4, d and m (N, Kp/32) f16;
+ *              w = d * nibble + m. 5 bits per weight.             (user-facing name: int4)
  * Kp is K rounded up to 32; padding weights are 0.
  *
  * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
@@ -22,13 +25,14 @@
 #include "simd.h"
 
 #define QK 32
-enum { COLI_F32 = 0, COLI_BF16 = 1, COLI_Q8 = 2, COLI_Q4 = 3 };
+enum { COLI_F32 = 0, COLI_BF16 = 1, COLI_Q8 = 2, COLI_Q4 = 3, COLI_Q4A = 4 };
 
 /* A weight matrix in any format, rows [0, N). */
 typedef struct {
     int fmt;
     const void *w;      /* data: float / uint16 (bf16) / int8 / uint8 nibbles */
-    const uint16_t *d;  /* f16 group scales (Q8, Q4), else NULL */
+    const uint16_t *d;  /* f16 group scales (Q8, Q4, Q4A), else NULL */
+    const uint16_t *m;  /* f16 group mins (Q4A), else NULL; laid out as d */
     long ldw;           /* elements of w per row (bytes for Q8/Q4) */
     long ldd;           /* scales per row */
 } coli_mat;
@@ -130,7 +134,7 @@ static inline __m512i coli_lane_groups(int shift) {
                     one.qd += i * a->ldb + b;                                                      \
                     one.qs += i * a->ldb + b;                                                      \
                     float t;                                                                       \
-                    NAME##_tail(&one, wq + j * ldw + b * (RB), wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
+                    NAME##_tail(&one, wq + j * ldw + b * (RB), wd + j * ldd + b, wm ? wm + j * ldd + b : NULL, ldw, ldd, nb - b, &t, 1); \
                     s += t;                                                                        \
                 }                                                                                  \
                 Y[i * ldy + j] = s;                                                                \
@@ -141,20 +145,24 @@ static inline __m512i coli_lane_groups(int shift) {
  * weight scales (wsv) and activation scales (xsv) loaded once as vectors, and the weight
  * offset OFF (128 for Q8, 8 for Q4) times each group's activation sum and scales added to
  * cor, for the groups done STEP at a time; with one token its scales are folded into the
- * weights' here. */
-#define COLI_QCHUNK512(MR, NR, STEP, OFF)                                                          \
+ * weights' here. ASYM (Q4A): the offset is the group's min instead, w = d * q + m, so cor
+ * takes -m * (activation scale * sum) per group. */
+#define COLI_QCHUNK512(MR, NR, STEP, OFF, ASYM)                                                    \
             int cn = nb - c0 < 16 ? nb - c0 : 16;                                                  \
             __mmask16 cm = (__mmask16)((1u << cn) - 1u);                                           \
             __mmask16 ce = (__mmask16)((1u << (cn & ~((STEP) - 1))) - 1u);                         \
             __m512 wsv[NR], xsv[MR];                                                               \
             for (int j = 0; j < NR; j++)                                                           \
                 wsv[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wd + j * ldd + c0));        \
+            __m512 csv[NR];                                                                        \
+            for (int j = 0; j < NR; j++)                                                           \
+                csv[j] = ASYM ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cm, wm + j * ldd + c0)) : wsv[j]; \
             for (int i = 0; i < MR; i++) {                                                         \
                 xsv[i] = _mm512_maskz_loadu_ps(cm, a->qd + i * a->ldb + c0);                       \
                 __m512 xb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(             \
                                               ce, a->qs + i * a->ldb + c0)), xsv[i]);              \
                 xb = _mm512_mul_ps(xb, _mm512_set1_ps(OFF));                                       \
-                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, wsv[j], cor[i][j]);   \
+                for (int j = 0; j < NR; j++) cor[i][j] = _mm512_fmadd_ps(xb, csv[j], cor[i][j]);   \
             }                                                                                      \
             if (MR == 1)                                                                           \
                 for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);
@@ -165,7 +173,7 @@ static inline __m512i coli_lane_groups(int shift) {
  * carry 128 * sum(x) per group, which is taken out like Q4's offset, as one correction per
  * group from the activations' group sums, summed per chunk into cor. */
 #define COLI_Q8TILE512(NAME, MR, NR)                                                                \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         __m512 acc[MR][NR], cor[MR][NR];                                                           \
         for (int i = 0; i < MR; i++)                                                               \
@@ -173,7 +181,7 @@ static inline __m512i coli_lane_groups(int shift) {
         const __m512i pat = coli_lane_groups(3), flip = _mm512_set1_epi8((char)0x80);              \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
-            COLI_QCHUNK512(MR, NR, 2, 128.0f)                                                      \
+            COLI_QCHUNK512(MR, NR, 2, 128.0f, 0)                                                      \
             for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
                 __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i w[NR];                                                                     \
@@ -209,8 +217,8 @@ static inline __m512i coli_lane_groups(int shift) {
  * whose lane l belongs to group b + l / 4, scaled by that group's weight (and activation)
  * scale picked from the chunk's 16 scales. The offset of 8 is one correction per group,
  * -8 * sum(x) * scales, summed per chunk into cor and subtracted once at the end. */
-#define COLI_Q4TILE512(NAME, MR, NR)                                                                \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+#define COLI_Q4TILE512(NAME, MR, NR, ASYM)                                                              \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         __m512 acc[MR][NR], cor[MR][NR];                                                           \
         for (int i = 0; i < MR; i++)                                                               \
@@ -218,7 +226,7 @@ static inline __m512i coli_lane_groups(int shift) {
         const __m512i pat = coli_lane_groups(2), m4 = _mm512_set1_epi8(0x0F);                      \
         int b = 0;                                                                                 \
         for (int c0 = 0; c0 + 4 <= nb; c0 += 16) {                                                 \
-            COLI_QCHUNK512(MR, NR, 4, 8.0f)                                                        \
+            COLI_QCHUNK512(MR, NR, 4, (ASYM ? -1.0f : 8.0f), ASYM)                                                        \
             for (b = c0; b + 4 <= c0 + cn; b += 4) {                                               \
                 __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
                 __m512i lo[NR], hi[NR];                                                            \
@@ -276,6 +284,23 @@ static inline float coli_hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* sum over groups b < n of m[b] * (activation scale * activation sum)[b]: the min term of
+ * the asymmetric int4 format (Q4A), 8 groups per step. */
+static inline float coli_min_term256(const uint16_t *m, const float *qd, const int32_t *qs, int n) {
+    int b = 0;
+    float s = 0.0f;
+#if defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= n; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))),
+                              _mm256_mul_ps(_mm256_loadu_ps(qd + b), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qs + b)))),
+                              acc);
+    s = coli_hsum256(acc);
+#endif
+    for (; b < n; b++) s += coli_f16_to_f32(m[b]) * (qd[b] * (float)qs[b]);
+    return s;
+}
+
 /* 8 int32 lanes of sum(u1 * s1) + sum(u2 * s2), u bytes at most 15 (int4 nibbles, so
  * that the int16 sums of maddubs cannot saturate on plain AVX2). */
 static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
@@ -295,8 +320,8 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
  * permutes per token that all rows share; lanes 0-3 then belong to group b and 4-7 to
  * group b + 1, and each lane takes 2 * (group sum of x) off for the offset of 8. An odd
  * last group goes through the one-group tile. */
-#define COLI_Q4TILE256(NAME, MR, NR)                                                                \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+#define COLI_Q4TILE256(NAME, MR, NR, ASYM)                                                              \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         __m256 acc[MR][NR];                                                                        \
         for (int i = 0; i < MR; i++)                                                               \
@@ -324,7 +349,8 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
                 const float *xd = a->qd + i * a->ldb + b;                                          \
                 const int32_t *xs = a->qs + i * a->ldb + b;                                        \
                 __m256 xsc = _mm256_set_m128(_mm_set1_ps(xd[1]), _mm_set1_ps(xd[0]));              \
-                __m256i off = _mm256_set_m128i(_mm_set1_epi32(2 * xs[1]), _mm_set1_epi32(2 * xs[0])); \
+                __m256i off = _mm256_set_m128i(_mm_set1_epi32(ASYM ? 0 : 2 * xs[1]),              \
+                                               _mm_set1_epi32(ASYM ? 0 : 2 * xs[0]));              \
                 for (int j = 0; j < NR; j++) {                                                     \
                     __m256i d = _mm256_sub_epi32(coli_dot2_u4s8(lo[j], xlo, hi[j], xhi), off);     \
                     acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[j], xsc), acc[i][j]); \
@@ -334,26 +360,30 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
                 float s = coli_hsum256(acc[i][j]);                                                 \
+                if (ASYM) /* Q4A: the mins' term of the groups before b, in one vector pass */      \
+                    s += coli_min_term256(wm + j * ldd, a->qd + i * a->ldb, a->qs + i * a->ldb, b); \
                 if (b < nb) {                                                                      \
                     coli_act one = *a;                                                             \
                     one.q += i * a->ldq + b * 32;                                                  \
                     one.qd += i * a->ldb + b;                                                      \
                     one.qs += i * a->ldb + b;                                                      \
                     float t;                                                                       \
-                    NAME##_tail(&one, wq + j * ldw + b * 16, wd + j * ldd + b, ldw, ldd, nb - b, &t, 1); \
+                    NAME##_tail(&one, wq + j * ldw + b * 16, wd + j * ldd + b, wm ? wm + j * ldd + b : NULL, ldw, ldd, nb - b, &t, 1); \
                     s += t;                                                                        \
                 }                                                                                  \
                 Y[i * ldy + j] = s;                                                                \
             }                                                                                      \
     }
 
-/* MR tokens x NR rows of a quantized GEMM; Q4 when IS4, else Q8. */
+/* MR tokens x NR rows of a quantized GEMM; IS4: 0 Q8, 1 Q4, 2 Q4A (asymmetric: its mins
+ * times the groups' activation sums added as floats, in ca). */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         __m256 acc[MR][NR];                                                                        \
+        float ca[MR][NR];                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                          \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps(), ca[i][j] = 0.0f;         \
         for (int b = 0; b < nb; b++) {                                                             \
             __m256i w[NR];                                                                         \
             float dw[NR];                                                                          \
@@ -367,22 +397,24 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
             for (int i = 0; i < MR; i++) {                                                         \
                 __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + i * a->ldq + b * 32));     \
                 float dx = a->qd[i * a->ldb + b];                                                  \
-                __m256i bs = _mm256_set1_epi32(IS4 ? a->qs[i * a->ldb + b] : 0);                   \
+                __m256i bs = _mm256_set1_epi32(IS4 == 1 ? a->qs[i * a->ldb + b] : 0);              \
                 for (int j = 0; j < NR; j++) {                                                     \
                     __m256i d = IS4 ? _mm256_sub_epi32(coli_dot_u8s8(w[j], x), bs)                 \
                                     : coli_dot_u8s8(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j])); \
                     acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[j] * dx), \
                                                 acc[i][j]);                                        \
+                    if (IS4 == 2)                                                                  \
+                        ca[i][j] += coli_f16_to_f32(wm[j * ldd + b]) * (dx * (float)a->qs[i * a->ldb + b]); \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_hsum256(acc[i][j]);                 \
+            for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_hsum256(acc[i][j]) + ca[i][j];      \
     }
 #else
 /* Scalar fallback: same arithmetic, one pair at a time. */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
@@ -392,11 +424,13 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
                     int32_t dot = 0;                                                               \
                     for (int t = 0; t < 32; t++) {                                                 \
                         int wv = IS4 ? ((t < 16 ? (wq[j * ldw + b * 16 + t] & 15)                  \
-                                                : (wq[j * ldw + b * 16 + t - 16] >> 4)) - 8)       \
+                                                : (wq[j * ldw + b * 16 + t - 16] >> 4)) - (IS4 == 1 ? 8 : 0)) \
                                      : (int)((const int8_t *)wq)[j * ldw + b * 32 + t];            \
                         dot += wv * x[t];                                                          \
                     }                                                                              \
                     acc += (float)dot * (coli_f16_to_f32(wd[j * ldd + b]) * a->qd[i * a->ldb + b]); \
+                    if (IS4 == 2)                                                                  \
+                        acc += coli_f16_to_f32(wm[j * ldd + b]) * (a->qd[i * a->ldb + b] * (float)a->qs[i * a->ldb + b]); \
                 }                                                                                  \
                 Y[i * ldy + j] = acc;                                                              \
             }                                                                                      \
@@ -408,19 +442,21 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
 #if defined(COLI_Q512)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512_##IS4(NAME, MR, NR)
 #define COLI_QTILE512_0(NAME, MR, NR) COLI_Q8TILE512(NAME, MR, NR)
-#define COLI_QTILE512_1(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR)
+#define COLI_QTILE512_1(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR, 0)
+#define COLI_QTILE512_2(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR, 1)
 #elif defined(__AVX2__)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
 #define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
-#define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR)
+#define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 0)
+#define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 1)
 #else
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
 #endif
 #if defined(__AVX2__)
 #define COLI_QTILE_TAIL(NAME, IS4) COLI_QTILE(NAME##_t, IS4, 1, 1)                                 \
-    static inline void NAME##_tail(const coli_act *a, const uint8_t *wq, const uint16_t *wd,       \
+    static inline void NAME##_tail(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                    long ldw, long ldd, int nb, float *Y, long ldy) {                \
-        NAME##_t_1x1(a, wq, wd, ldw, ldd, nb, Y, ldy);                                             \
+        NAME##_t_1x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy);                                             \
     }
 #else
 #define COLI_QTILE_TAIL(NAME, IS4)
@@ -434,30 +470,31 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
     COLI_QTILE_MAIN(NAME, IS4, 3, 2) COLI_QTILE_MAIN(NAME, IS4, 3, 3) COLI_QTILE_MAIN(NAME, IS4, 3, 4) \
     COLI_QTILE_MAIN(NAME, IS4, 4, 1) COLI_QTILE_MAIN(NAME, IS4, 4, 2) COLI_QTILE_MAIN(NAME, IS4, 4, 3) \
     COLI_QTILE_MAIN(NAME, IS4, 4, 4)                                                               \
-    static inline void NAME(int mr, int nr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, \
+    static inline void NAME(int mr, int nr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                             long ldw, long ldd, int nb, float *Y, long ldy) {                       \
         switch (mr * 8 + nr) {                                                                     \
-        case 9: NAME##_1x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                                \
-        case 10: NAME##_1x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 11: NAME##_1x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 12: NAME##_1x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 17: NAME##_2x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 18: NAME##_2x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 19: NAME##_2x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 20: NAME##_2x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 25: NAME##_3x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 26: NAME##_3x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 27: NAME##_3x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 28: NAME##_3x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 33: NAME##_4x1(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 34: NAME##_4x2(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        case 35: NAME##_4x3(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
-        default: NAME##_4x4(a, wq, wd, ldw, ldd, nb, Y, ldy); break;                               \
+        case 9: NAME##_1x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                                \
+        case 10: NAME##_1x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 11: NAME##_1x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 12: NAME##_1x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 17: NAME##_2x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 18: NAME##_2x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 19: NAME##_2x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 20: NAME##_2x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 25: NAME##_3x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 26: NAME##_3x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 27: NAME##_3x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 28: NAME##_3x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 33: NAME##_4x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 34: NAME##_4x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        case 35: NAME##_4x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
+        default: NAME##_4x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                               \
         }                                                                                          \
     }
 
 COLI_QTILES(coli_q8tile, 0)
 COLI_QTILES(coli_q4tile, 1)
+COLI_QTILES(coli_q4atile, 2)
 
 /* ---- bf16 weights ----------------------------------------------------------------------
  * bf16 is the top half of an f32, so widening is a zero-extend and a shift: no AVX512-BF16
@@ -646,7 +683,7 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
     } else {
         int ngroups = (K + QK - 1) / QK;
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
-        const uint16_t *wd = W->d + n0 * W->ldd;
+        const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
         for (int n = 0; n < nb; n += 4) {
             int nr = nb - n < 4 ? nb - n : 4;
             for (int m = 0; m < M; m += 4) {
@@ -655,11 +692,14 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
                 sub.q = a->q + m * a->ldq;
                 sub.qd = a->qd + m * a->ldb;
                 sub.qs = a->qs + m * a->ldb;
-                if (W->fmt == COLI_Q4)
-                    coli_q4tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, W->ldw, W->ldd, ngroups,
+                if (W->fmt == COLI_Q4A)
+                    coli_q4atile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, wm + n * W->ldd, W->ldw, W->ldd,
+                                 ngroups, Y + m * ldy + n0 + n, ldy);
+                else if (W->fmt == COLI_Q4)
+                    coli_q4tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, NULL, W->ldw, W->ldd, ngroups,
                                 Y + m * ldy + n0 + n, ldy);
                 else
-                    coli_q8tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, W->ldw, W->ldd, ngroups,
+                    coli_q8tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, NULL, W->ldw, W->ldd, ngroups,
                                 Y + m * ldy + n0 + n, ldy);
             }
         }
@@ -680,7 +720,10 @@ static inline void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
         for (int k = 0; k < K; k++) {
             int b = k / QK, i = k % QK;
             int v = i < 16 ? (q[b * 16 + i] & 15) : (q[b * 16 + i - 16] >> 4);
-            out[k] = coli_f16_to_f32(W->d[r * W->ldd + b]) * (v - 8);
+            if (W->fmt == COLI_Q4A)
+                out[k] = coli_f16_to_f32(W->d[r * W->ldd + b]) * v + coli_f16_to_f32(W->m[r * W->ldd + b]);
+            else
+                out[k] = coli_f16_to_f32(W->d[r * W->ldd + b]) * (v - 8);
         }
     }
 }

@@ -39,7 +39,7 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System
 Quant = Literal[FORMATS]  # a choice list in --help and in errors
 QuantOpt = Annotated[Optional[Quant], typer.Option(
     "--quant", "-q", envvar="COLI_QUANT", show_envvar=True,
-    help="Weight format: f32, bf16, int8 or int4. Default: f32 for a Hugging Face directory, the converted one's own.")]
+    help="Weight format: f32, bf16, int8, int4 (5-bit asymmetric groups) or int4s (Q4_0-like). Default: f32 for a Hugging Face directory, the converted one's own.")]
 RamBudgetOpt = Annotated[Optional[str], typer.Option(
     "--ram-budget", envvar="COLI_RAM_BUDGET", show_envvar=True,
     help="Memory for the whole process, e.g. 2G: weights, KV cache and buffers; a converted MoE model streams "

@@ -27,7 +27,7 @@ from coli.weights.source import Weights
 
 MANIFEST = "coli.json"
 FORMAT_NAME = "coli"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int4 is the asymmetric format (scales and mins); version 1's int4 is int4s
 ALIGN_DENSE = 64
 ALIGN_EXPERT = 4096
 CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -54,8 +54,11 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+MATRIX_KEYS = ("data", "scales", "mins")
+
+
 def _matrix_arrays(m: K.QMatrix) -> list[np.ndarray]:
-    return [m.data] + ([m.scales] if m.scales is not None else [])
+    return [m.data] + ([m.scales] if m.scales is not None else []) + ([m.mins] if m.mins is not None else [])
 
 
 class ConvertedWriter:
@@ -95,6 +98,8 @@ class ConvertedWriter:
                      "data": self._put_dense(m.data)}
             if m.scales is not None:
                 entry["scales"] = self._put_dense(m.scales)
+            if m.mins is not None:
+                entry["mins"] = self._put_dense(m.mins)
             self.tensors[name] = entry
 
     def add_experts(self, layer: str, experts: list[tuple[K.QMatrix, K.QMatrix, K.QMatrix]]) -> None:
@@ -102,7 +107,7 @@ class ConvertedWriter:
             parts, off = [], 0
             for part, m in zip(("gate", "up", "down"), experts[0]):
                 entry = {"name": part, "fmt": m.format, "rows": m.rows, "cols": m.cols}
-                for key, arr in zip(("data", "scales"), _matrix_arrays(m)):
+                for key, arr in zip(MATRIX_KEYS, _matrix_arrays(m)):
                     off = _round_up(off, ALIGN_DENSE)
                     entry[key] = [off, arr.nbytes]
                     off += arr.nbytes
@@ -114,7 +119,7 @@ class ConvertedWriter:
             for entry, m in zip(self.parts, mats):
                 if (m.format, m.rows, m.cols) != (entry["fmt"], entry["rows"], entry["cols"]):
                     raise ModelLoadError(f"{layer}: experts of different shapes cannot share one experts.bin")
-                for key, arr in zip(("data", "scales"), _matrix_arrays(m)):
+                for key, arr in zip(MATRIX_KEYS, _matrix_arrays(m)):
                     off, n = entry[key]
                     blob[off : off + n] = arr.tobytes()
             self._experts.write(blob)
@@ -149,9 +154,11 @@ def read_manifest(model_dir: Path) -> dict:
         raise ModelLoadError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise ModelLoadError(f"{path}: not a coli manifest")
+    if m.get("version") == 1:
+        _upgrade_v1(m)
     if m.get("version") != FORMAT_VERSION:
         raise ModelLoadError(f"{path}: format version {m.get('version')} is not supported (this coli reads "
-                             f"version {FORMAT_VERSION}); convert the model again")
+                             f"versions 1 and {FORMAT_VERSION}); convert the model again")
     for section in ("dense", "experts"):
         f = model_dir / m[section]["file"]
         size = f.stat().st_size if f.exists() else -1
@@ -223,7 +230,17 @@ class ConvertedWeights(Weights):
         self.store.close()
 
 
-DTYPE_OF = {"f32": np.float32, "bf16": np.uint16, "int8": np.int8, "int4": np.uint8}
+def _upgrade_v1(m: dict) -> None:
+    """Version 1 named today's int4s (symmetric groups, no mins) "int4"; the bytes are the same."""
+    rename = {"int4": "int4s"}.get
+    m["quant"], m["head_quant"] = rename(m["quant"], m["quant"]), rename(m["head_quant"], m["head_quant"])
+    for e in list(m["dense"]["tensors"].values()) + list(m["experts"]["parts"]):
+        if "fmt" in e:
+            e["fmt"] = rename(e["fmt"], e["fmt"])
+    m["version"] = FORMAT_VERSION
+
+
+DTYPE_OF = {"f32": np.float32, "bf16": np.uint16, "int8": np.int8, "int4": np.uint8, "int4s": np.uint8}
 
 
 def matrix_view(entry: dict, view) -> K.QMatrix:
@@ -232,7 +249,8 @@ def matrix_view(entry: dict, view) -> K.QMatrix:
     if fmt not in FORMATS:
         raise ModelLoadError(f"manifest: unknown format {fmt!r}")
     kp = K.padded(cols)
-    width = {"f32": cols, "bf16": cols, "int8": kp, "int4": kp // 2}[fmt]
+    width = {"f32": cols, "bf16": cols, "int8": kp, "int4": kp // 2, "int4s": kp // 2}[fmt]
     data = view(entry["data"], DTYPE_OF[fmt]).reshape(rows, width)
     scales = view(entry["scales"], np.float16).reshape(rows, kp // 32) if "scales" in entry else None
-    return K.QMatrix(K.FORMATS[fmt], data, scales, rows, cols)
+    mins = view(entry["mins"], np.float16).reshape(rows, kp // 32) if "mins" in entry else None
+    return K.QMatrix(K.FORMATS[fmt], data, scales, rows, cols, mins)

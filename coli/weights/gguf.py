@@ -9,9 +9,10 @@ files ask for, undoing what llama.cpp's converter did to them (Llama's q/k row
 permutation, Gemma's ``1 +`` norms).
 
 Weights: F32/F16/BF16 are used as they are; Q8_0 and Q4_0 are 32-weight groups with
-one fp16 scale, exactly coli's int8 / int4 (same nibble order: byte i of a group
-holds element i low and i + 16 high), so they are repacked bit for bit when the
-chosen format is theirs. Every other type (Q4_1, Q5_0/1, K-quants, IQ) is
+one fp16 scale, exactly coli's int8 / int4s, and Q4_1 (an fp16 scale and an fp16 min)
+is exactly coli's int4 (same nibble order: byte i of a group holds element i low and
+i + 16 high), so they are repacked bit for bit when the chosen format is theirs. Every
+other type (Q5_0/1, K-quants, IQ) is
 dequantized with ``gguf.quants`` and quantized to the chosen format; by default the
 closest coli format (see ``closest_format``). docs/MODELS.md has the table.
 """
@@ -39,12 +40,12 @@ MAGIC = b"GGUF"
 # ggml type name -> the coli format it maps to by default
 _CLOSEST = {"F32": "f32", "F16": "f32", "BF16": "bf16", "F64": "f32", "Q8_0": "int8", "Q8_1": "int8",
             "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
-REPACK = {"Q8_0": "int8", "Q4_0": "int4"}
+REPACK = {"Q8_0": "int8", "Q4_0": "int4s", "Q4_1": "int4"}
 
 
 def closest_format(type_name: str) -> str:
     """The coli format a ggml type maps to by default: exact for F32/F16/BF16 and the
-    repackable Q8_0/Q4_0, int8 for 5- to 8-bit types, int4 for 4 bits and below."""
+    repackable Q8_0/Q4_0/Q4_1, int8 for 5- to 8-bit types, int4 for 4 bits and below."""
     return REPACK.get(type_name) or _CLOSEST.get(type_name, "int4")
 
 
@@ -423,17 +424,20 @@ class GGUFWeights(Weights):
 
 
 def repack(blocks: np.ndarray, kind: str, rows: int, cols: int) -> K.QMatrix:
-    """Q8_0 / Q4_0 blocks (rows, nb * block bytes) as coli int8 / int4, bit for bit."""
+    """Q8_0 / Q4_0 / Q4_1 blocks (rows, nb * block bytes) as coli int8 / int4s / int4, bit for bit."""
     nb = cols // 32
-    if kind == "Q8_0":
-        b = np.ascontiguousarray(blocks).reshape(rows, nb, 34)
-        d = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(rows, nb)
-        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, nb * 32)
-        return K.QMatrix(K.FORMATS["int8"], q, np.ascontiguousarray(d), rows, cols)
-    b = np.ascontiguousarray(blocks).reshape(rows, nb, 18)
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    b = np.ascontiguousarray(blocks).reshape(rows, nb, size)
     d = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(rows, nb)
-    q = np.ascontiguousarray(b[..., 2:]).reshape(rows, nb * 16)
-    return K.QMatrix(K.FORMATS["int4"], q, np.ascontiguousarray(d), rows, cols)
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, nb * 32)
+        return K.QMatrix(K.FORMATS["int8"], q, d, rows, cols)
+    if kind == "Q4_0":
+        q = np.ascontiguousarray(b[..., 2:]).reshape(rows, nb * 16)
+        return K.QMatrix(K.FORMATS["int4s"], q, d, rows, cols)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(rows, nb)
+    q = np.ascontiguousarray(b[..., 4:]).reshape(rows, nb * 16)
+    return K.QMatrix(K.FORMATS["int4"], q, d, rows, cols, mins=m)
 
 
 def open_gguf(path: str | os.PathLike, quant: str | None = None, head_quant: str | None = None, ram_budget=None):

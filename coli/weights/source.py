@@ -18,8 +18,9 @@ from coli.weights.safetensors import Checkpoint
 
 
 def default_head_quant(quant: str) -> str:
-    """LM head and embeddings: int8 under int4 (the head is the most quantization-sensitive matrix)."""
-    return {"int4": "int8"}.get(quant, quant)
+    """LM head and embeddings: int8 under int4 and int4s (the head is the most quantization-sensitive
+    matrix)."""
+    return {"int4": "int8", "int4s": "int8"}.get(quant, quant)
 
 
 class ResidentExperts:

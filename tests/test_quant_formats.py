@@ -1,0 +1,92 @@
+"""The weight formats' quantizers (coli/quant.py): int4 (asymmetric groups with a scale and a
+min, error-minimising rounding) against int4s (symmetric, llama.cpp's Q4_0 scheme), and
+converted directories of format version 1 read under today's names."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import coli
+from coli import synthetic
+from coli._engine import kernels as K
+from coli.quant import dequantize, quantize, quantize_int4
+
+RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(params=[1], ids=["1thread"], autouse=True)
+def one_thread(request):
+    K.set_num_threads(1)
+    yield
+    K.set_num_threads(2)
+
+
+def _weights(kind, shape=(64, 320)):
+    if kind == "normal":
+        return RNG.standard_normal(shape).astype(np.float32) * 0.05
+    if kind == "skewed":  # a group's values mostly on one side (what symmetric groups waste range on)
+        return (np.abs(RNG.standard_normal(shape)) * 0.05 + 0.01).astype(np.float32)
+    return (RNG.standard_t(3, shape) * 0.03).astype(np.float32)  # heavy tails
+
+
+@pytest.mark.parametrize("kind", ["normal", "skewed", "heavy"])
+def test_int4_is_far_more_faithful_than_int4s(kind):
+    w = _weights(kind)
+    e4 = np.sqrt(((dequantize(quantize(w, "int4")) - w) ** 2).mean())
+    e4s = np.sqrt(((dequantize(quantize(w, "int4s")) - w) ** 2).mean())
+    # an extra min per group buys most where groups are lopsided or have outliers
+    assert e4 < {"normal": 0.85, "skewed": 0.6, "heavy": 0.8}[kind] * e4s, (e4, e4s)
+
+
+def test_int4_codes_scales_and_mins_are_what_dequantize_reads():
+    w = _weights("normal", (5, 100))  # a partial last group
+    q, d, m = quantize_int4(w)
+    assert q.shape == (5, 64) and d.shape == m.shape == (5, 4) and d.dtype == m.dtype == np.float16
+    codes = np.concatenate([q.reshape(5, 4, 16) & 15, q.reshape(5, 4, 16) >> 4], axis=-1).astype(np.float32)
+    want = (codes * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]).reshape(5, -1)[:, :100]
+    mat = quantize(w, "int4")
+    np.testing.assert_array_equal(dequantize(mat), want)
+    assert mat.nbytes * 8 / w.size <= 5.0 * 128 / 100 + 1e-9  # 5 bits per weight, padding aside
+    # every weight within one step of its group's grid (clipping at the ends is chosen by the fit)
+    err = np.abs(want - w).reshape(5, -1)
+    assert np.all(err <= np.repeat(np.abs(d.astype(np.float32)), 32, axis=1)[:, :100] * 1.01 + 1e-6)
+
+
+def test_int4_constant_and_zero_groups():
+    w = np.zeros((2, 64), np.float32)
+    w[1, :32] = 0.25
+    np.testing.assert_allclose(dequantize(quantize(w, "int4")), w, atol=1e-3)
+
+
+def test_int4_kernels_match_the_twin_on_skewed_weights():
+    """Mins far from zero: the kernels' min term (activation sums times mins) must be exact."""
+    from coli.quant import reference_qlinear
+
+    w = _weights("skewed", (37, 300)) + 0.5
+    x = RNG.standard_normal((6, 300)).astype(np.float32)
+    m = quantize(w, "int4")
+    kp = K.padded(300)
+    for M in (1, 2, 5, 6):
+        out = np.empty((M, 37), np.float32)
+        K.qlinear(x[:M], m, out, None, np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32),
+                  np.empty((M, kp // 32), np.int32))
+        np.testing.assert_allclose(out, reference_qlinear(x[:M], m), atol=2e-3, rtol=1e-4)
+
+
+def test_version_1_directories_read_int4_as_int4s(tmp_path):
+    """Format version 1 called today's int4s "int4"; such a directory loads unchanged."""
+    d = synthetic.write_converted("tiny", tmp_path / "v2", "int4s", seed=1)
+    ids = [1, 5, 9, 2, 7]
+    want = coli.load(d).forward(ids)
+    old = tmp_path / "v1"
+    shutil.copytree(d, old)
+    man = json.loads((old / "coli.json").read_text())
+    assert man["version"] == 2 and man["quant"] == "int4s"
+    text = json.dumps(dict(man, version=1)).replace('"int4s"', '"int4"')
+    (old / "coli.json").write_text(text)
+    m = coli.load(old)
+    assert m.weights.quant == "int4s"
+    np.testing.assert_array_equal(m.forward(ids), want)
