@@ -93,7 +93,8 @@ def test_plan_numbers_follow_format_ctx_and_slots(big_model, monkeypatch):
     monkeypatch.setenv("COLI_MEMORY_LIMIT", "64G")
     f32 = make_plan(big_model, ctx=1024)
     int4 = make_plan(big_model, quant="int4", ctx=1024)
-    assert int4.weights < f32.weights / 5
+    int4s = make_plan(big_model, quant="int4s", ctx=1024)
+    assert int4s.weights < int4.weights < f32.weights / 4  # 4.5 and 5 bits (int8 embeddings and head)
     assert make_plan(big_model, ctx=2048, kv_slots=3).kv == 6 * f32.kv
     per_token = 4 * 2 * 512 * 4  # layers x (k + v) x kv width x 4 bytes
     assert f32.kv_per_token == per_token
