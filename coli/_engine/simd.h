@@ -88,30 +88,34 @@ static inline void coli_scale_add(float *y, float a, const float *x, float b, in
     for (; i < n; i++) y[i] = y[i] * a + x[i] * b;
 }
 
-/* One MR x NR register tile; MR, NR are literals at every call site so the
- * accumulator arrays are unrolled into registers. */
-#define COLI_TILE(MR, NR)                                                          \
-    static inline void coli_tile_##MR##x##NR(const float *X, long ldx, const float *W, \
-                                             long ldw, int K, float *Y, long ldy) {  \
-        cv_t acc[MR][NR];                                                          \
-        for (int i = 0; i < MR; i++)                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = cv_zero();                    \
-        int k = 0;                                                                 \
-        for (; k + CV_W <= K; k += CV_W) {                                         \
-            cv_t w[NR];                                                            \
-            for (int j = 0; j < NR; j++) w[j] = cv_load(W + j * ldw + k);          \
-            for (int i = 0; i < MR; i++) {                                         \
-                cv_t x = cv_load(X + i * ldx + k);                                 \
-                for (int j = 0; j < NR; j++) acc[i][j] = cv_fma(x, w[j], acc[i][j]); \
-            }                                                                      \
-        }                                                                          \
-        for (int i = 0; i < MR; i++)                                               \
-            for (int j = 0; j < NR; j++) {                                         \
-                float s = cv_sum(acc[i][j]);                                       \
-                for (int kk = k; kk < K; kk++) s += X[i * ldx + kk] * W[j * ldw + kk]; \
-                Y[i * ldy + j] = s;                                                \
-            }                                                                      \
+/* One MR x NR register tile of Y = X . W^T; MR, NR are literals at every call site so the
+ * accumulator arrays are unrolled into registers. WT is the weights' element type, WLOAD
+ * loads CV_W of them widened to floats, WGET widens one (the K remainder): the f32 tiles
+ * below and the bf16 ones in simd_q.h are the same loop. */
+#define COLI_TILE_OF(NAME, WT, WLOAD, WGET, MR, NR)                                           \
+    static inline void NAME##_##MR##x##NR(const float *X, long ldx, const WT *W, long ldw, int K, \
+                                          float *Y, long ldy) {                               \
+        cv_t acc[MR][NR];                                                                     \
+        for (int i = 0; i < MR; i++)                                                          \
+            for (int j = 0; j < NR; j++) acc[i][j] = cv_zero();                               \
+        int k = 0;                                                                            \
+        for (; k + CV_W <= K; k += CV_W) {                                                    \
+            cv_t w[NR];                                                                       \
+            for (int j = 0; j < NR; j++) w[j] = WLOAD(W + j * ldw + k);                       \
+            for (int i = 0; i < MR; i++) {                                                    \
+                cv_t x = cv_load(X + i * ldx + k);                                            \
+                for (int j = 0; j < NR; j++) acc[i][j] = cv_fma(x, w[j], acc[i][j]);          \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < MR; i++)                                                          \
+            for (int j = 0; j < NR; j++) {                                                    \
+                float s = cv_sum(acc[i][j]);                                                  \
+                for (int kk = k; kk < K; kk++) s += X[i * ldx + kk] * WGET(W[j * ldw + kk]);  \
+                Y[i * ldy + j] = s;                                                           \
+            }                                                                                 \
     }
+#define COLI_F32_ITSELF(v) (v)
+#define COLI_TILE(MR, NR) COLI_TILE_OF(coli_tile, float, cv_load, COLI_F32_ITSELF, MR, NR)
 
 COLI_TILE(1, 1) COLI_TILE(1, 2) COLI_TILE(1, 3) COLI_TILE(1, 4)
 COLI_TILE(2, 1) COLI_TILE(2, 2) COLI_TILE(2, 3) COLI_TILE(2, 4)

@@ -530,28 +530,7 @@ static inline void coli_widen_bf16(const uint16_t *w, int n, float *out) {
     for (; k < n; k++) out[k] = coli_bf16_to_f32(w[k]);
 }
 
-#define COLI_BTILE(MR, NR)                                                                         \
-    static inline void coli_btile_##MR##x##NR(const float *X, long ldx, const uint16_t *W, long ldw, int K, \
-                                              float *Y, long ldy) {                                \
-        cv_t acc[MR][NR];                                                                          \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = cv_zero();                                    \
-        int k = 0;                                                                                 \
-        for (; k + CV_W <= K; k += CV_W) {                                                         \
-            cv_t w[NR];                                                                            \
-            for (int j = 0; j < NR; j++) w[j] = cv_load_bf16(W + j * ldw + k);                     \
-            for (int i = 0; i < MR; i++) {                                                         \
-                cv_t x = cv_load(X + i * ldx + k);                                                 \
-                for (int j = 0; j < NR; j++) acc[i][j] = cv_fma(x, w[j], acc[i][j]);               \
-            }                                                                                      \
-        }                                                                                          \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) {                                                         \
-                float s = cv_sum(acc[i][j]);                                                       \
-                for (int kk = k; kk < K; kk++) s += X[i * ldx + kk] * coli_bf16_to_f32(W[j * ldw + kk]); \
-                Y[i * ldy + j] = s;                                                                \
-            }                                                                                      \
-    }
+#define COLI_BTILE(MR, NR) COLI_TILE_OF(coli_btile, uint16_t, cv_load_bf16, coli_bf16_to_f32, MR, NR)
 COLI_BTILE(1, 1) COLI_BTILE(1, 2) COLI_BTILE(1, 3) COLI_BTILE(1, 4)
 COLI_BTILE(2, 1) COLI_BTILE(2, 2) COLI_BTILE(2, 3) COLI_BTILE(2, 4)
 COLI_BTILE(3, 1) COLI_BTILE(3, 2) COLI_BTILE(3, 3) COLI_BTILE(3, 4)
