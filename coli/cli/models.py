@@ -63,20 +63,28 @@ def list_models(as_json: JsonOpt = False) -> None:
     and whether it fits in this machine's memory at its format."""
     from coli.models_cache import scan
 
-    models = scan(fit=True)
-    if as_json:
-        typer.echo(json.dumps(models, indent=2))
-        return
-    if not models:
-        stderr.print("no models found (coli pull ORG/MODEL downloads one)")
-        return
-    t = Table(box=None, pad_edge=False)
-    for col in ("NAME", "ARCH", "PARAMS", "FORMAT", "SIZE", "FITS"):
-        t.add_column(col)
-    for m in models:
+    def row(m: dict) -> tuple:
         params = _count(m["params"]) + (f" / {_count(m['active_params'])}" if m.get("active_params") else "")
         fits = {True: "yes", False: "no", None: "?"}[m.get("fits")]
-        t.add_row(m["name"], m.get("arch") or "?", params, m.get("format") or "?", _size(m["size"]), fits)
+        return m["name"], m.get("arch") or "?", params, m.get("format") or "?", _size(m["size"]), fits
+
+    _print(scan(fit=True), as_json, "no models found (coli pull ORG/MODEL downloads one)",
+           ("NAME", "ARCH", "PARAMS", "FORMAT", "SIZE", "FITS"), row)
+
+
+def _print(items: list[dict], as_json: bool, empty: str, columns: tuple[str, ...], row) -> None:
+    """``items`` as JSON, or as a table of ``columns`` (``row(item)`` gives a row's cells)."""
+    if as_json:
+        typer.echo(json.dumps(items, indent=2))
+        return
+    if not items:
+        stderr.print(empty)
+        return
+    t = Table(box=None, pad_edge=False)
+    for col in columns:
+        t.add_column(col)
+    for item in items:
+        t.add_row(*row(item))
     stdout.print(t)
 
 
@@ -121,19 +129,9 @@ def ps(as_json: JsonOpt = False) -> None:
     """List the `coli serve` processes running on this machine: model, address, memory, slots."""
     from coli.models_cache import running
 
-    procs = running()
-    if as_json:
-        typer.echo(json.dumps(procs, indent=2))
-        return
-    if not procs:
-        stderr.print("no coli serve running")
-        return
-    t = Table(box=None, pad_edge=False)
-    for col in ("PID", "MODEL", "URL", "RSS", "SLOTS", "CONTEXT"):
-        t.add_column(col)
-    for p in procs:
-        t.add_row(str(p["pid"]), p["model"], p["url"], _size(p.get("rss")), str(p.get("kv_slots")), str(p.get("ctx")))
-    stdout.print(t)
+    _print(running(), as_json, "no coli serve running", ("PID", "MODEL", "URL", "RSS", "SLOTS", "CONTEXT"),
+           lambda p: (str(p["pid"]), p["model"], p["url"], _size(p.get("rss")), str(p.get("kv_slots")),
+                      str(p.get("ctx"))))
 
 
 @user_errors
