@@ -248,6 +248,8 @@ try {
   await page.waitForFunction(() => document.querySelectorAll('[data-testid=trend-row]').length >= 2, null, { timeout: 10000 })
   const trend = await page.getByTestId('trend-row').count()
   check(trend >= 2, `Profiling: ${trend} turns in the trend`)
+  const acceptance = await page.getByTestId('acceptance').textContent()
+  check(/^(—|\d+\.\d%)$/.test(acceptance ?? ''), `Profiling: speculation's acceptance (${acceptance})`)
   await shot(page, 'profiling.png')
 
   // Theme: switch to dark and back; it sticks across a reload.

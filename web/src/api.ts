@@ -114,6 +114,8 @@ export interface Turn {
   bytes_read?: number
   experts_needed?: number
   experts_hit?: number
+  draft_tokens?: number // speculative decoding: draft tokens verified
+  accepted_tokens?: number // ... and accepted (completion_tokens counts them)
 }
 
 export interface ProfileData {

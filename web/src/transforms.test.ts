@@ -9,6 +9,7 @@ import {
   decodeCell,
   decodeExperts,
   emptyCoActivation,
+  formatAcceptance,
   formatBytes,
   heatMinCount,
   jaccard,
@@ -17,6 +18,7 @@ import {
   parseOptions,
   partners,
   phases,
+  speculation,
   tierBytes,
   tierCounts,
   toJSON,
@@ -152,6 +154,25 @@ describe('profile', () => {
     const last = lastTurns(turns)
     expect(last.length).toBe(30)
     expect(last[0].finished_at).toBe(15)
+  })
+
+  it('sums speculation over turns: acceptance and tokens per step', () => {
+    const s = speculation([
+      { ...turn, completion_tokens: 20, draft_tokens: 12, accepted_tokens: 8 },
+      { ...turn, completion_tokens: 10, draft_tokens: 4, accepted_tokens: 2 },
+    ])
+    expect(s).toMatchObject({ drafted: 16, accepted: 10 })
+    expect(s.acceptance).toBeCloseTo(10 / 16)
+    expect(s.tokensPerStep).toBeCloseTo(30 / 20)
+    expect(formatAcceptance(s.acceptance)).toBe('62.5%')
+  })
+
+  it('shows "—" when nothing was drafted', () => {
+    const s = speculation([turn, { ...turn, draft_tokens: 0, accepted_tokens: 0 }])
+    expect(s).toMatchObject({ drafted: 0, accepted: 0, acceptance: null })
+    expect(s.tokensPerStep).toBe(1)
+    expect(formatAcceptance(s.acceptance)).toBe('—')
+    expect(speculation([]).tokensPerStep).toBeNull()
   })
 })
 

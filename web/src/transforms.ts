@@ -166,6 +166,39 @@ export function turnTokPerSec(t: Turn): number | null {
   return t.wall_seconds > 0 && t.completion_tokens > 0 ? t.completion_tokens / t.wall_seconds : null
 }
 
+export interface Speculation {
+  drafted: number
+  accepted: number
+  acceptance: number | null // accepted / drafted; null when nothing was drafted
+  tokensPerStep: number | null // output tokens per step that yielded any
+}
+
+/** Speculative decoding over some turns (/profile's draft_tokens, accepted_tokens). Each step
+ * that yields output samples one token of its own plus the drafts it accepted, so the steps
+ * are completion_tokens - accepted_tokens and the mean tokens per step is completion over
+ * that (1 without speculation). */
+export function speculation(turns: Turn[]): Speculation {
+  let drafted = 0
+  let accepted = 0
+  let completion = 0
+  for (const t of turns) {
+    drafted += t.draft_tokens || 0
+    accepted += t.accepted_tokens || 0
+    completion += t.completion_tokens || 0
+  }
+  return {
+    drafted,
+    accepted,
+    acceptance: drafted > 0 ? accepted / drafted : null,
+    tokensPerStep: completion > accepted ? completion / (completion - accepted) : null,
+  }
+}
+
+/** "62.5%", or "—" when nothing was drafted. */
+export function formatAcceptance(a: number | null): string {
+  return a == null ? '—' : `${(100 * a).toFixed(1)}%`
+}
+
 // ---- Brio ---------------------------------------------------------------------------------------
 
 export type Verdict = 'confident' | 'unsure' | 'not sure'

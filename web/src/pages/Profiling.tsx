@@ -1,5 +1,5 @@
 import { useStore } from '../store'
-import { formatBytes, formatSeconds, lastTurns, phases, PHASES, turnTokPerSec } from '../transforms'
+import { formatAcceptance, formatBytes, formatSeconds, lastTurns, phases, PHASES, speculation, turnTokPerSec } from '../transforms'
 import type { Turn } from '../api'
 
 function TurnBars({ turn, scale }: { turn: Turn; scale: number }) {
@@ -33,6 +33,7 @@ export function Profiling() {
   const latest = turns[turns.length - 1]
   const maxWall = Math.max(1e-9, ...recent.map((t) => t.wall_seconds))
   const maxTps = Math.max(1e-9, ...recent.map((t) => turnTokPerSec(t) ?? 0))
+  const spec = speculation(recent)
   return (
     <section className="page profiling" aria-label="Profiling">
       {!coli && <p className="notice">Profiling needs a colibri server (GET /profile).</p>}
@@ -79,6 +80,14 @@ export function Profiling() {
             </table>
           </div>
           <h2>Last {recent.length} turn{recent.length === 1 ? '' : 's'}</h2>
+          <dl className="facts" data-testid="speculation" title="speculative decoding over these turns">
+            <div><dt>drafts accepted</dt><dd>{spec.accepted} / {spec.drafted}</dd></div>
+            <div><dt>acceptance</dt><dd data-testid="acceptance">{formatAcceptance(spec.acceptance)}</dd></div>
+            <div>
+              <dt title="output tokens per step that yielded any: accepted drafts + 1">tokens/step</dt>
+              <dd>{spec.tokensPerStep?.toFixed(2) ?? '—'}</dd>
+            </div>
+          </dl>
           <div className="card trend" data-testid="trend">
             {recent.map((t, i) => (
               <div className="trend-row" key={`${t.finished_at}-${i}`} data-testid="trend-row">
