@@ -153,7 +153,9 @@ def test_store_is_a_bounded_lru():
 
 
 def test_max_output_tokens_is_incomplete(client):
-    r = client.responses.create(model="tiny", input="Count to ten.", max_output_tokens=3, temperature=1.0)
+    SCRIPTS[9010] = "One, two, three, four, five, six, seven, eight, nine, ten."  # longer than 3 tokens
+    r = client.responses.create(model="tiny", input="Count to ten.", max_output_tokens=3, extra_body={"seed": 9010},
+                                reasoning={"effort": "none"})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
 
