@@ -526,11 +526,9 @@ static inline void coli_pack_tokens(const float *X, long ldx, int M, int K, floa
     }
 }
 
-#define COLI_RTILE(WR)                                                                             \
-    static inline void coli_rtile_##WR(const float *W, long ldw, const float *P, int K, float *Y,  \
-                                       long ldy, int nt) {                                         \
-        cv_t a0[WR], a1[WR];                                                                       \
-        for (int i = 0; i < WR; i++) a0[i] = a1[i] = cv_zero();                                    \
+/* a0[i], a1[i] (WR rows x COLI_NP tokens) += W[i, k] * P[k, :] for k < K: the panel product
+ * of the register tiles here and of their accumulating twins in simd_q.h. */
+#define COLI_RTILE_PANEL(WR)                                                                       \
         for (int k = 0; k < K; k++) {                                                              \
             cv_t x0 = cv_load(P + (long)k * COLI_NP), x1 = cv_load(P + (long)k * COLI_NP + CV_W);  \
             for (int i = 0; i < WR; i++) {                                                         \
@@ -538,7 +536,14 @@ static inline void coli_pack_tokens(const float *X, long ldx, int M, int K, floa
                 a0[i] = cv_fma(w, x0, a0[i]);                                                      \
                 a1[i] = cv_fma(w, x1, a1[i]);                                                      \
             }                                                                                      \
-        }                                                                                          \
+        }
+
+#define COLI_RTILE(WR)                                                                             \
+    static inline void coli_rtile_##WR(const float *W, long ldw, const float *P, int K, float *Y,  \
+                                       long ldy, int nt) {                                         \
+        cv_t a0[WR], a1[WR];                                                                       \
+        for (int i = 0; i < WR; i++) a0[i] = a1[i] = cv_zero();                                    \
+        COLI_RTILE_PANEL(WR)                                                                       \
         float t[WR][COLI_NP];                                                                      \
         for (int i = 0; i < WR; i++) {                                                             \
             cv_store(t[i], a0[i]);                                                                 \

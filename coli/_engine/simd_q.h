@@ -581,14 +581,7 @@ static inline void coli_gemm_bf16(const float *X, long ldx, int M, const uint16_
             a0[i] = first ? cv_zero() : cv_load(A + i * COLI_NP);                                  \
             a1[i] = first ? cv_zero() : cv_load(A + i * COLI_NP + CV_W);                           \
         }                                                                                          \
-        for (int k = 0; k < K; k++) {                                                              \
-            cv_t x0 = cv_load(P + (long)k * COLI_NP), x1 = cv_load(P + (long)k * COLI_NP + CV_W);  \
-            for (int i = 0; i < WR; i++) {                                                         \
-                cv_t w = cv_set1(W[i * ldw + k]);                                                  \
-                a0[i] = cv_fma(w, x0, a0[i]);                                                      \
-                a1[i] = cv_fma(w, x1, a1[i]);                                                      \
-            }                                                                                      \
-        }                                                                                          \
+        COLI_RTILE_PANEL(WR)                                                                       \
         for (int i = 0; i < WR; i++) {                                                             \
             cv_store(A + i * COLI_NP, a0[i]);                                                      \
             cv_store(A + i * COLI_NP + CV_W, a1[i]);                                               \
