@@ -31,11 +31,11 @@ from coli.server.generation import GenSpec, Generation, collect, speculative_fie
 from coli.server.limits import off_loop
 from coli.server.state import server_of
 from coli.server.streaming import run_stream, sse
-from coli.server.prompts import FUNCTION_NAME, implicit_stops, render
+from coli.server.prompts import FUNCTION_NAME, implicit_stops, join_text, render
 
 MAX_STOP_SEQUENCES = 16
-UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results",
-                      "container_upload": "file uploads"}
+UNSUPPORTED_BLOCKS = {"image": "images are", "document": "documents are", "search_result": "search results are",
+                      "container_upload": "file uploads are"}
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -43,22 +43,12 @@ UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result
 
 def _text(content, where: str) -> str:
     """A string, or text blocks joined; any other block is refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: expected a string or an array of content blocks", where)
-    parts = []
-    for j, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind != "text" or not isinstance(b.get("text"), str):
-            raise _block_error(kind, f"{where}[{j}]", "text")
-        parts.append(b["text"])
-    return "\n".join(parts)
+    return join_text(content, where, text={"text": "text"}, refused=UNSUPPORTED_BLOCKS, noun="content blocks")
 
 
 def _block_error(kind, where: str, allowed: str):
     if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:
-        return unsupported(f"{where}: {UNSUPPORTED_BLOCKS[kind]} are not supported: this server is text-only", where)
+        return unsupported(f"{where}: {UNSUPPORTED_BLOCKS[kind]} not supported: this server is text-only", where)
     return invalid(f"{where}: expected a {allowed} block, got {kind!r}", where)
 
 

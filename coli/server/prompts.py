@@ -49,33 +49,46 @@ class Prompt:
 # -- OpenAI messages --------------------------------------------------------------------------
 
 
-def text_of(content, where: str) -> str:
-    """A message content (a string or an array of parts) as one string; non-text parts are
-    refused; null is empty (an assistant turn that only calls tools)."""
-    if content is None:
-        return ""
+def join_text(content, where: str, *, text: dict, refused: dict, noun: str = "content parts",
+              unknown_unsupported: bool = False) -> str:
+    """A string, or an array of typed parts joined into one string, for every API's content.
+
+    ``text`` maps each text part type to the key that holds its text; ``refused`` maps the
+    media part types this text-only server refuses to how the error names them ("images are");
+    any other part is invalid (or unsupported, with ``unknown_unsupported``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{where}: content must be a string or an array of content parts", where)
+        raise invalid(f"{where}: expected a string or an array of {noun}", where)
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
             raise invalid(f"{at}: a content part must be an object with a type", at)
-        kind = part["type"]
-        if kind in IMAGE_PARTS:
-            raise unsupported(f"{at}: images are not supported: this server is text-only", at)
-        if kind in AUDIO_PARTS:
-            raise unsupported(f"{at}: audio is not supported: this server is text-only", at)
-        if kind in ("text", "input_text", "refusal"):
-            value = part.get("text" if kind != "refusal" else "refusal")
-            if not isinstance(value, str):
-                raise invalid(f"{at}: a {kind} part needs a string {'text' if kind != 'refusal' else 'refusal'}", at)
-            texts.append(value)
-        else:
-            raise unsupported(f"{at}: content parts of type {kind!r} are not supported (only text)", at)
+        if kind in refused:
+            raise unsupported(f"{at}: {refused[kind]} not supported: this server is text-only", at)
+        key = text.get(kind)
+        if key is None:
+            if unknown_unsupported:
+                raise unsupported(f"{at}: content parts of type {kind!r} are not supported (only text)", at)
+            raise invalid(f"{at}: expected a text part, got {kind!r}", at)
+        if not isinstance(part.get(key), str):
+            raise invalid(f"{at}: a {kind} part needs a string {key}", at)
+        texts.append(part[key])
     return "\n".join(texts)
+
+
+OPENAI_TEXT = {"text": "text", "input_text": "text", "refusal": "refusal"}
+OPENAI_REFUSED = {**{k: "images are" for k in IMAGE_PARTS}, **{k: "audio is" for k in AUDIO_PARTS}}
+
+
+def text_of(content, where: str) -> str:
+    """An OpenAI message content as one string; null is empty (an assistant turn that only
+    calls tools)."""
+    if content is None:
+        return ""
+    return join_text(content, where, text=OPENAI_TEXT, refused=OPENAI_REFUSED, unknown_unsupported=True)
 
 
 def normalize_openai(messages) -> list[dict]:

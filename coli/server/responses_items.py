@@ -14,7 +14,7 @@ from coli.scheduler import Usage
 from coli.server import params as P
 from coli.server.errors import invalid, unsupported
 from coli.server.openai import EFFORTS
-from coli.server.prompts import FUNCTION_NAME
+from coli.server.prompts import FUNCTION_NAME, join_text
 
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -23,7 +23,7 @@ IGNORED_TOOLS = ("web_search", "web_search_preview")  # not offered to the model
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
               "reasoning_text": "text", "summary_text": "text"}
-MEDIA_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+MEDIA_PARTS = {"input_image": "images are", "input_file": "files are", "input_audio": "audio is"}
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -33,21 +33,7 @@ def new_id(prefix: str) -> str:
 
 
 def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: expected a string or an array of content parts", where)
-    out = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in MEDIA_PARTS:
-            raise unsupported(f"{at}: {MEDIA_PARTS[kind]} are not supported: this server is text-only", at)
-        key = TEXT_PARTS.get(kind)
-        if key is None or not isinstance(part.get(key), str):
-            raise invalid(f"{at}: expected an input_text part with a string text, got {kind!r}", at)
-        out.append(part[key])
-    return "\n".join(out)
+    return join_text(content, where, text=TEXT_PARTS, refused=MEDIA_PARTS)
 
 
 def _arguments(args: str):
