@@ -65,7 +65,30 @@ static inline float coli_min_term_neon(const uint16_t *m, const float *qd, const
     return s;
 }
 
-/* MR tokens x NR rows, one group per step (sdot or smull). */
+/* a + b * lane j of c (j a constant once the tiles' loops are unrolled) */
+static inline float32x4_t coli_fma_lane_neon(float32x4_t a, float32x4_t b, float32x4_t c, int j) {
+    switch (j) {
+    case 0: return vfmaq_laneq_f32(a, b, c, 0);
+    case 1: return vfmaq_laneq_f32(a, b, c, 1);
+    case 2: return vfmaq_laneq_f32(a, b, c, 2);
+    default: return vfmaq_laneq_f32(a, b, c, 3);
+    }
+}
+
+/* The float scales of group b of NR <= 4 rows (wd + j * ldd + b) in lanes 0..NR-1. */
+static inline float32x4_t coli_wscales_neon(const uint16_t *wd, long ldd, int b, int nr) {
+    uint16x4_t h = vdup_n_u16(0);
+    h = vld1_lane_u16(wd + b, h, 0);
+    if (nr > 1) h = vld1_lane_u16(wd + ldd + b, h, 1);
+    if (nr > 2) h = vld1_lane_u16(wd + 2 * ldd + b, h, 2);
+    if (nr > 3) h = vld1_lane_u16(wd + 3 * ldd + b, h, 3);
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+/* MR tokens x NR rows, one group per step (sdot or smull). The NR rows' scales travel in one
+ * vector, times the token's activation scale per token, and are applied by lane (fmla by
+ * element): 16 accumulators, 8 weight vectors and 2 activation vectors leave the 4 x 4 tile
+ * enough of the 32 registers. */
 #define COLI_QTILE_NEON(NAME, IS4, MR, NR)                                                         \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
@@ -74,18 +97,15 @@ static inline float coli_min_term_neon(const uint16_t *m, const float *qd, const
             for (int j = 0; j < NR; j++) acc[i][j] = vdupq_n_f32(0.0f);                            \
         for (int b = 0; b < nb; b++) {                                                             \
             int8x16_t w0[NR], w1[NR];                                                              \
-            float dw[NR];                                                                          \
-            for (int j = 0; j < NR; j++) {                                                         \
-                coli_wgroup_neon(IS4, wq + j * ldw, b, &w0[j], &w1[j]);                            \
-                dw[j] = coli_f16_to_f32(wd[j * ldd + b]);                                          \
-            }                                                                                      \
+            for (int j = 0; j < NR; j++) coli_wgroup_neon(IS4, wq + j * ldw, b, &w0[j], &w1[j]);   \
+            float32x4_t dw = coli_wscales_neon(wd, ldd, b, NR);                                    \
             for (int i = 0; i < MR; i++) {                                                         \
                 const int8_t *xp = a->q + i * a->ldq + b * 32;                                     \
                 int8x16_t x0 = vld1q_s8(xp), x1 = vld1q_s8(xp + 16);                               \
-                float dx = a->qd[i * a->ldb + b];                                                  \
+                float32x4_t sc = vmulq_n_f32(dw, a->qd[i * a->ldb + b]);                           \
                 for (int j = 0; j < NR; j++)                                                       \
-                    acc[i][j] = vfmaq_n_f32(acc[i][j], vcvtq_f32_s32(coli_dot32_neon(w0[j], x0, w1[j], x1)), \
-                                            dw[j] * dx);                                           \
+                    acc[i][j] = coli_fma_lane_neon(acc[i][j], vcvtq_f32_s32(coli_dot32_neon(w0[j], x0, w1[j], x1)), \
+                                                   sc, j);                                         \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
@@ -96,6 +116,24 @@ static inline float coli_min_term_neon(const uint16_t *m, const float *qd, const
                 Y[i * ldy + j] = s;                                                                \
             }                                                                                      \
     }
+
+/* MR = 3 or 4 tokens as 2 + (MR - 2): with 4 tokens, the 16 accumulators, 8 weight vectors
+ * and the temporaries of the dot products do not fit the 32 registers (GCC spilled about
+ * 50 vectors per tile), while a 2-token tile fits and rereads its weights from L1. */
+#define COLI_QTILE_SPLIT(NAME, MR, NR, MR2)                                                        \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        NAME##_2x##NR(a, wq, wd, wm, ldw, ldd, nb, Y, ldy);                                         \
+        coli_act rest = *a;                                                                        \
+        rest.q += 2 * a->ldq;                                                                      \
+        rest.qd += 2 * a->ldb;                                                                     \
+        rest.qs += 2 * a->ldb;                                                                     \
+        NAME##_##MR2##x##NR(&rest, wq, wd, wm, ldw, ldd, nb, Y + 2 * ldy, ldy);                     \
+    }
+#define COLI_QTILE_DOT_1(NAME, IS4, MR, NR) COLI_QTILE_NEON(NAME, IS4, MR, NR)
+#define COLI_QTILE_DOT_2(NAME, IS4, MR, NR) COLI_QTILE_NEON(NAME, IS4, MR, NR)
+#define COLI_QTILE_DOT_3(NAME, IS4, MR, NR) COLI_QTILE_SPLIT(NAME, MR, NR, 1)
+#define COLI_QTILE_DOT_4(NAME, IS4, MR, NR) COLI_QTILE_SPLIT(NAME, MR, NR, 2)
 
 #if defined(__ARM_FEATURE_MATMUL_INT8)
 /* 2 tokens x 2 rows per smmla. For a group, token pair (i, i+1) and row pair (j, j+1):
@@ -161,7 +199,7 @@ static inline float coli_min_term_neon(const uint16_t *m, const float *qd, const
 #define COLI_QTILE_PICK(NAME, IS4, MR, NR, EVEN) COLI_QTILE_PICK_(NAME, IS4, MR, NR, EVEN)
 #define COLI_QTILE_PICK_(NAME, IS4, MR, NR, EVEN) COLI_QTILE_##EVEN(NAME, IS4, MR, NR)
 #define COLI_QTILE_MMLA2(NAME, IS4, MR, NR) COLI_QTILE_MMLA(NAME, IS4, MR, NR)
-#define COLI_QTILE_DOT(NAME, IS4, MR, NR) COLI_QTILE_NEON(NAME, IS4, MR, NR)
+#define COLI_QTILE_DOT(NAME, IS4, MR, NR) COLI_QTILE_DOT_##MR(NAME, IS4, MR, NR)
 #define COLI_QTILE_EVEN_1_1 DOT
 #define COLI_QTILE_EVEN_1_2 DOT
 #define COLI_QTILE_EVEN_1_3 DOT
@@ -179,7 +217,7 @@ static inline float coli_min_term_neon(const uint16_t *m, const float *qd, const
 #define COLI_QTILE_EVEN_4_3 DOT
 #define COLI_QTILE_EVEN_4_4 MMLA2
 #else
-#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_NEON(NAME, IS4, MR, NR)
+#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_DOT_##MR(NAME, IS4, MR, NR)
 #endif
 
 #endif /* COLI_SIMD_Q_NEON_H */
