@@ -269,3 +269,28 @@ def test_a_dotprod_module_does_not_run_on_a_cpu_without_sdot(build_dir):
 
 def test_setup_builds_every_arm_path_dispatch_knows():
     assert list(ARM) == [p for p in dispatch.PATHS if p.startswith("neon")] + ["scalar"]
+
+
+@pytest.mark.parametrize("path", ["neon", "neoni8mm"])
+def test_the_whole_kernels_module_compiles_for_arm(path, tmp_path):
+    """The Cython module around the kernels (kernels.pyx, quant.pxi: the C that Cython wrote
+    for this build) compiles for aarch64 with OpenMP, as setup.py would build it there (at
+    -O0, COLI_CYTHON_DEBUG's level; this machine's Python headers, which are LP64 like
+    aarch64's). Catches x86-only code outside the SIMD headers' guarded regions."""
+    import sysconfig
+
+    why = _missing(path)
+    if why:
+        pytest.skip(why)
+    generated = sorted(f for f in os.listdir(ENGINE) if f.startswith("_kernels_") and f.endswith(".c"))
+    if not generated:
+        pytest.skip("no Cython-generated coli/_engine/_kernels_*.c (run: python setup.py build_ext --inplace)")
+    for src, flags in ((generated[0], ARM[path] + ["-fopenmp"]), ("_cpu.c", [])):
+        if not os.path.exists(os.path.join(ENGINE, src)):
+            continue
+        cmd = [CROSS, "-O0", "-std=c11", "-fPIC", "-Werror=implicit-function-declaration",
+               f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}", f"-I{ENGINE}",
+               "-DNPY_NO_DEPRECATED_API=NPY_1_7_API_VERSION", f'-DCOLI_SIMD_PATH="{path}"',
+               "-c", os.path.join(ENGINE, src), "-o", str(tmp_path / "out.o")] + flags
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-4000:]
