@@ -20,6 +20,7 @@ static unsigned coli_arm_features(void) {
     return f;
 }
 #elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/types.h>
 #include <sys/sysctl.h>
 static int coli_arm_sysctl(const char *name) {
     int v = 0;
