@@ -70,9 +70,12 @@ check="from coli._engine import kernels as K, dispatch; print(K.simd_name(), dis
 echo "== dispatch: qemu -cpu max / cortex-a53"
 (cd "$SRC" && PYTHONPATH="$SRC" qemu-aarch64 -cpu max -L "$SYSROOT" "$SYSROOT/usr/bin/python3.11" -c "$check")
 (cd "$SRC" && PYTHONPATH="$SRC" qemu-aarch64 -cpu cortex-a53 -L "$SYSROOT" "$SYSROOT/usr/bin/python3.11" -c "$check")
-# (test_version_1_directories_read_int4_as_int4s writes a synthetic model, which needs the
-# compiled `tokenizers` package: none for this arm64 Python here)
-skip="not version_1_directories"
+# Left out: test_version_1_directories_read_int4_as_int4s writes a synthetic model, which needs
+# the compiled `tokenizers` package (none for this arm64 Python here), and
+# test_release_threads_retires_the_calling_threads_workers counts the OS threads in
+# /proc/self/task, which under qemu-user lag behind the guest's (it passes, then fails at its
+# second thread count).
+skip="not version_1_directories and not release_threads_retires"
 run max neoni8mm tests/test_kernels.py tests/test_quant_formats.py -k "$skip"
 run max neondot tests/test_kernels.py tests/test_quant_formats.py -k "1thread and $skip"
 run cortex-a53 neon tests/test_kernels.py tests/test_quant_formats.py -k "1thread and $skip"
