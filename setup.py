@@ -6,7 +6,17 @@ path, each into its own extension module coli._engine._kernels_<path>:
   avx512vnni  AVX-512 F/BW/DQ/VL + VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4/5)
   avx512      AVX-512 F/BW/DQ/VL without VNNI (Skylake-SP/X)
   avx2        AVX2 + FMA + F16C (Haswell and later, Zen 1-3)
-  scalar      the platform's baseline (any x86-64; the only path on other CPUs)
+  scalar      the platform's baseline in plain C (any x86-64; the only path on other CPUs)
+
+and on 64-bit ARM (Linux aarch64, macOS arm64):
+
+  neoni8mm    armv8.2-a + dotprod + i8mm: sdot and smmla (Graviton 3/4, Apple M2 and later)
+  neondot     armv8.2-a + dotprod: sdot (Graviton 2, Apple M1, Ampere Altra, Cortex-A76/A55)
+  neon        armv8-a: NEON only (Cortex-A72/A53: Raspberry Pi 4, Graviton 1)
+  scalar      plain C (-DCOLI_NO_NEON), for comparisons
+
+A path whose flags this compiler does not know (an old GCC and +i8mm) is left out with a
+warning.
 
 coli/_engine/kernels.py picks one at import time from CPUID (coli/_engine/_cpu.pyx), so one
 build runs at its best on every CPU; COLI_SIMD=<path> forces one (README.md, Building).
@@ -38,6 +48,7 @@ from setuptools.command.build_ext import build_ext
 debug = os.environ.get("COLI_CYTHON_DEBUG") == "1"
 native = os.environ.get("COLI_NATIVE") == "1"
 x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+arm64 = platform.machine().lower() in ("aarch64", "arm64")
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512cd", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
@@ -47,15 +58,22 @@ TARGETS = {  # path -> compiler flags; best first
     "avx2": _AVX2,
     "scalar": [],
 }
+ARM_TARGETS = {  # the same for 64-bit ARM (tests/test_neon_qemu.py builds these for qemu)
+    "neoni8mm": ["-march=armv8.2-a+dotprod+i8mm"],
+    "neondot": ["-march=armv8.2-a+dotprod"],
+    "neon": ["-march=armv8-a"],
+    "scalar": ["-DCOLI_NO_NEON"],
+}
 if native:
     targets = {"native": ["-march=native"] if x86 else ["-mcpu=native"]}
-elif x86:
+elif x86 or arm64:
+    table = TARGETS if x86 else ARM_TARGETS
     wanted = os.environ.get("COLI_SIMD_TARGETS")
-    names = [t.strip() for t in wanted.split(",") if t.strip()] if wanted else list(TARGETS)
-    unknown = [t for t in names if t not in TARGETS]
+    names = [t.strip() for t in wanted.split(",") if t.strip()] if wanted else list(table)
+    unknown = [t for t in names if t not in table]
     if unknown:
-        sys.exit(f"COLI_SIMD_TARGETS: unknown path {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
-    targets = {t: TARGETS[t] for t in TARGETS if t in names or t == "scalar"}
+        sys.exit(f"COLI_SIMD_TARGETS: unknown path {', '.join(unknown)}; choose from {', '.join(table)}")
+    targets = {t: table[t] for t in table if t in names or t == "scalar"}
 else:
     targets = {"scalar": []}
 
@@ -96,6 +114,31 @@ def _openmp_flags(compiler):
     return None
 
 
+_ARM_PROBE = """#include <arm_neon.h>
+int main(void) { int32x4_t a = vdupq_n_s32(0); int8x16_t b = vdupq_n_s8(1);
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+a = vmmlaq_s32(a, b, b);
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+a = vdotq_s32(a, b, b);
+#endif
+return vgetq_lane_s32(a, 0) == 12345; }
+"""
+
+
+def _flags_work(compiler, flags):
+    """Whether this compiler builds NEON (and the sdot / smmla the flags promise) with flags."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "arm_probe.c")
+        with open(src, "w") as f:
+            f.write(_ARM_PROBE)
+        try:
+            compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            return True
+        except Exception:  # CompileError
+            return False
+
+
 class BuildExt(build_ext):
     """Adds OpenMP flags when the compiler has OpenMP (see the module docstring)."""
 
@@ -105,6 +148,16 @@ class BuildExt(build_ext):
             self.parallel = min(4, os.cpu_count() or 1)
 
     def build_extensions(self):
+        if arm64 and not native:  # a compiler too old for a path's -march leaves it out
+            keep = []
+            for ext in self.extensions:
+                path = ext.name.rsplit("_kernels_", 1)[-1]
+                if path in ARM_TARGETS and path != "scalar" and not _flags_work(self.compiler, ARM_TARGETS[path]):
+                    self.warn(f"coli: this compiler does not take {' '.join(ARM_TARGETS[path])}; "
+                              f"the {path} kernels are not built")
+                    continue
+                keep.append(ext)
+            self.extensions = keep
         omp = _openmp_flags(self.compiler)
         if omp is None:
             self.warn("coli: no OpenMP with this compiler; the kernels are built single-threaded "
@@ -121,6 +174,7 @@ def _kernels(path, flags):
         f"coli._engine._kernels_{path}",
         [f"coli/_engine/_kernels_{path}.pyx"],
         include_dirs=[np.get_include(), "coli/_engine"],
+        depends=sorted(glob.glob("coli/_engine/*.h")),  # simd_q_neon.h etc. are included from C
         extra_compile_args=base_args + flags,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("COLI_SIMD_PATH", f'"{path}"')],
     )
@@ -141,7 +195,7 @@ for _old in glob.glob("coli/_engine/kernels.*.so") + glob.glob("coli/_engine/ker
 
 extensions = [_kernels(p, f) for p, f in targets.items()]
 extensions.append(Extension("coli._engine._cpu", ["coli/_engine/_cpu.pyx"], include_dirs=["coli/_engine"],
-                            extra_compile_args=base_args))
+                            depends=["coli/_engine/cpu_arm.h"], extra_compile_args=base_args))
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=min(4, os.cpu_count() or 1)),
       cmdclass={"build_ext": BuildExt})

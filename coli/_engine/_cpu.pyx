@@ -1,7 +1,8 @@
 # cython: language_level=3
 """What this CPU can run: the instruction-set extensions that the SIMD paths of the
 kernels need, from CPUID and XGETBV (the operating system must also save the wider
-registers). Compiled for the baseline of the platform, so it runs on every CPU; it is
+registers) on x86, from the kernel's HWCAP bits or macOS's sysctls on 64-bit ARM
+(cpu_arm.h). Compiled for the baseline of the platform, so it runs on every CPU; it is
 imported before any kernel module (see kernels.py)."""
 
 cdef extern from *:
@@ -67,18 +68,20 @@ cdef extern from *:
     }
     #else
     #define COLI_X86 0
-    static unsigned coli_cpu_features(void) { return 0; }
+    #include "cpu_arm.h"
+    /* 64-bit ARM: NEON, sdot, smmla as bits 12-14 (0 elsewhere) */
+    static unsigned coli_cpu_features(void) { return coli_arm_features() << 12; }
     #endif
     """
     unsigned coli_cpu_features()
     int COLI_X86
 
 NAMES = ("avx", "fma", "f16c", "avx2", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl",
-         "avx512vnni", "avx512bf16", "avxvnni")
+         "avx512vnni", "avx512bf16", "avxvnni", "asimd", "asimddp", "i8mm")
 
 
 def features():
-    """The set of NAMES this CPU (and operating system) supports; empty off x86."""
+    """The set of NAMES this CPU (and operating system) supports; empty off x86 and aarch64."""
     cdef unsigned f = coli_cpu_features()
     return frozenset(n for i, n in enumerate(NAMES) if f >> i & 1)
 

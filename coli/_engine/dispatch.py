@@ -1,8 +1,8 @@
 """Which SIMD path of the kernels runs here (see coli/_engine/kernels.py and setup.py).
 
 setup.py compiles coli/_engine/kernels.pyx once per path into ``coli._engine._kernels_<path>``.
-``choose`` picks the best path that both this CPU (CPUID and XGETBV, coli._engine._cpu) and the
-build have; ``COLI_SIMD=<path>`` forces one, and a path this CPU cannot run or the build lacks is
+``choose`` picks the best path that both this CPU (CPUID and XGETBV on x86; HWCAP or sysctl on
+64-bit ARM: coli._engine._cpu) and the build have; ``COLI_SIMD=<path>`` forces one, and a path this CPU cannot run or the build lacks is
 refused with SimdUnavailableError instead of crashing on an illegal instruction later.
 """
 from __future__ import annotations
@@ -13,13 +13,17 @@ import os
 
 from coli.errors import ColiError
 
-# best first; what each path's code executes besides the x86-64 baseline
-PATHS = ("avx512vnni", "avx512", "avx2", "scalar")
+# best first; what each path's code executes besides the platform's baseline (x86-64, or
+# 64-bit ARM for the neon* paths: NEON (asimd), sdot (asimddp), smmla (i8mm))
+PATHS = ("avx512vnni", "avx512", "avx2", "neoni8mm", "neondot", "neon", "scalar")
 NEEDS = {
     "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl",
                              "avx512vnni"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "neoni8mm": frozenset({"asimd", "asimddp", "i8mm"}),
+    "neondot": frozenset({"asimd", "asimddp"}),
+    "neon": frozenset({"asimd"}),
     "scalar": frozenset(),
 }
 ENV = "COLI_SIMD"

@@ -21,6 +21,15 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+/* 64-bit ARM (Apple Silicon, Graviton, Ampere, Raspberry Pi 4/5): Advanced SIMD (NEON) is
+ * part of the baseline, so every aarch64 build has it; COLI_NO_NEON (setup.py's "scalar"
+ * module there) turns it off. sdot (__ARM_FEATURE_DOTPROD) and smmla
+ * (__ARM_FEATURE_MATMUL_INT8) are used by the quantized tiles when the module is compiled
+ * for them (simd_q_neon.h). */
+#if defined(__ARM_NEON) && defined(__aarch64__) && !defined(COLI_NO_NEON)
+#define COLI_NEON 1
+#include <arm_neon.h>
+#endif
 
 #if defined(__AVX512F__)
 #define CV_W 16
@@ -50,6 +59,17 @@ static inline float cv_sum(cv_t v) {
     return _mm_cvtss_f32(lo);
 }
 #define COLI_SIMD_NAME "avx2"
+#elif defined(COLI_NEON)
+#define CV_W 4
+typedef float32x4_t cv_t;
+#define cv_zero() vdupq_n_f32(0.0f)
+#define cv_load(p) vld1q_f32(p)
+#define cv_store(p, v) vst1q_f32(p, v)
+#define cv_set1(a) vdupq_n_f32(a)
+#define cv_fma(a, b, c) vfmaq_f32(c, a, b)
+#define cv_mul(a, b) vmulq_f32(a, b)
+static inline float cv_sum(cv_t v) { return vaddvq_f32(v); }
+#define COLI_SIMD_NAME "neon"
 #else
 #define CV_W 1
 typedef float cv_t;
@@ -297,6 +317,43 @@ static inline cv_t cv_sum_lanes(const cv_t *a) {
     cv_t g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
 }
+#elif defined(COLI_NEON)
+#define cv_add(a, b) vaddq_f32(a, b)
+#define cv_sub(a, b) vsubq_f32(a, b)
+static inline uint32x4_t cv_tailmask(int n) { /* lanes < n */
+    static const uint32_t lane[4] = {0, 1, 2, 3};
+    return vcltq_u32(vld1q_u32(lane), vdupq_n_u32((uint32_t)n));
+}
+static inline cv_t cv_loadn(const float *p, int n) {
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    memcpy(t, p, (size_t)n * sizeof(float));
+    return vld1q_f32(t);
+}
+static inline void cv_storen(float *p, cv_t v, int n) {
+    float t[4];
+    vst1q_f32(t, v);
+    memcpy(p, t, (size_t)n * sizeof(float));
+}
+static inline float cv_hmax(cv_t v) { return vmaxvq_f32(v); }
+static inline float cv_first(cv_t v) { return vgetq_lane_f32(v, 0); }
+static inline cv_t cv_keep(cv_t v, int n, float fill) { return vbslq_f32(cv_tailmask(n), v, vdupq_n_f32(fill)); }
+/* as the AVX2 one: 2^n built in the exponent field, results below e^-86.6 flushed to 0
+ * (x < -86.6 is false for NaN, which is kept), 2^n applied as 2^(n-1) * 2. */
+static inline cv_t cv_exp(cv_t x) {
+    uint32x4_t keep = vmvnq_u32(vcltq_f32(x, vdupq_n_f32(-86.6f)));
+    x = vmaxq_f32(vdupq_n_f32(-86.6f), x);
+    x = vminq_f32(vdupq_n_f32(89.0f), x);
+    cv_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
+    cv_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+    int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(126)), 23);
+    cv_t y = vmulq_f32(vmulq_f32(COLI_EXP_POLY(r), vreinterpretq_f32_s32(e)), vdupq_n_f32(2.0f));
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), keep));
+}
+/* lane i of the result = sum of the lanes of a[i]: two levels of pairwise adds. */
+static inline cv_t cv_sum_lanes(const cv_t *a) {
+    return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));
+}
 #else
 #define cv_add(a, b) ((a) + (b))
 #define cv_sub(a, b) ((a) - (b))
@@ -506,7 +563,7 @@ static inline void coli_attend(const float *q, const float *K, long ks, const fl
  * weights (read straight from the row-major, possibly memory-mapped, matrix: nothing is
  * copied) and 2*COLI_WR FMAs into COLI_WR x 2 accumulators; no reductions. */
 #define COLI_NP (2 * CV_W) /* tokens per panel */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(COLI_NEON) /* NEON: 32 registers, room for 8 x 2 sums */
 #define COLI_WR 8
 #else
 #define COLI_WR 6

@@ -17,7 +17,8 @@
  * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
  * float scale (and, for Q4's offset, the group's integer sum), so a group's dot
  * product is one integer multiply-add of 32 pairs: AVX512-VNNI / AVX-VNNI
- * dpbusd where the CPU has it, AVX2 maddubs otherwise, plain C as the fallback.
+ * dpbusd where the CPU has it, AVX2 maddubs otherwise, on 64-bit ARM sdot / smmla or
+ * smull (simd_q_neon.h), plain C as the fallback.
  */
 #ifndef COLI_SIMD_Q_H
 #define COLI_SIMD_Q_H
@@ -49,6 +50,8 @@ typedef struct {
 static inline float coli_f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(COLI_NEON)
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
 #else
     uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
     if (e == 0) {
@@ -411,6 +414,8 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_hsum256(acc[i][j]) + ca[i][j];      \
     }
+#elif defined(COLI_NEON)
+#include "simd_q_neon.h"
 #else
 /* Scalar fallback: same arithmetic, one pair at a time. */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
@@ -519,6 +524,8 @@ static inline cv_t cv_load_bf16(const uint16_t *p) {
 static inline cv_t cv_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+#elif defined(COLI_NEON)
+static inline cv_t cv_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 #else
 static inline cv_t cv_load_bf16(const uint16_t *p) { return coli_bf16_to_f32(*p); }
 #endif
