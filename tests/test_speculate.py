@@ -67,6 +67,11 @@ def test_ngram_drafts_what_followed_the_longest_earlier_suffix():
     assert d.propose(ctx, 2) == []  # a shorter context (reused drafter) starts the index again
     ctx += [9, 1, 2]
     assert d.propose(ctx, 2) == [9, 1]  # extended incrementally as tokens arrive
+    # the occurrence matching furthest back wins over a later, shorter one
+    X, Y = 40, 41
+    d = NgramDrafter()
+    assert d.propose([5, 1, 2, 3, X, 9, 2, 3, Y, 5, 1, 2, 3], 2) == [X, 9] and d.match == 4
+    assert d.propose([5, 1, 2, 3, X, 9, 2, 3, Y, 5, 1, 2, 3, X, 6, 2, 3], 1) == [X] and d.match == 2  # ties: the latest
 
 
 def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
@@ -464,3 +469,65 @@ def hf_path_without_mtp(tmp_path, arch):
     mt, ov = ARCHS[arch]
     make_hf_model(mt, tmp_path / f"{arch}-plain", **ov)
     return tmp_path / f"{arch}-plain"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_chains_on_its_own_output_and_converted_dirs_keep_it(arch, tmp_path, runners):
+    """k > 1 MTP drafts: each further entry joins the layer's own output (before its final
+    norm) with the draft just made, at the next position, attending to the entries before
+    it: checked against transformers' decoder layer run over the lengthened sequence. Then
+    `coli convert` keeps the MTP weights and a converted directory drafts with them."""
+    import torch
+
+    from coli.scheduler.core import ScheduledSeq, StepPlan
+    from coli.speculate import mtp as mtp_mod
+    from coli.weights.convert import convert
+
+    path, big, extra = _with_mtp(tmp_path, arch)
+    model = coli.load(path, threads=1)
+    n = model.config.num_hidden_layers
+    ids = LOOP[:12]
+
+    def rms(x, w, eps=big.config.rms_norm_eps):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def entry(tok, hidden):  # one MTP input row
+        e = torch.cat([rms(big.model.embed_tokens(torch.tensor([tok]))[0], extra["enorm.weight"]),
+                       rms(hidden, extra["hnorm.weight"])], -1)
+        return e @ extra["eh_proj.weight"].T
+
+    want = []
+    with torch.no_grad():
+        hs = big(torch.tensor([ids]), output_hidden_states=True).hidden_states[n]
+        hnormed = big.model.norm(hs)[0]
+        rows = [entry(t, hnormed[i]) for i, t in enumerate(ids[1:])]
+        layer = big.model.layers[n]
+        for _ in range(3):
+            e = torch.stack(rows)[None]
+            T = e.shape[1]
+            pos = torch.arange(T)[None]
+            mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+            out = layer(e, attention_mask=mask, position_ids=pos, position_embeddings=big.model.rotary_emb(e, pos))
+            out = (out[0] if isinstance(out, tuple) else out)[0, -1]
+            logits = rms(out, extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-3  # no near-tie for float rounding to flip
+            want.append(int(logits.argmax()))
+            rows.append(entry(want[-1], out))
+    spec = runners(model, "mtp")
+    mtp = spec.speculator.mtp
+    cache = model.engine.new_cache()
+    model.engine.step([(cache, ids)])
+    mtp.capture(StepPlan(1, [ScheduledSeq(None, 0, 0, ids, True)]), lambda req: True)
+    assert mtp.propose([(0, ids, 3)]) == [want]
+    assert mtp.caches[0].tokens == ids[1:]  # chained entries are scratch: only real ones stay
+    assert mtp.propose([(0, ids, 2)]) == [want[:2]]  # and computing again from there gives the same
+    # a converted directory keeps the MTP layer: drafts are made and change nothing
+    conv = convert(path, tmp_path / f"{arch}-conv", "int8")
+    cmodel = coli.load(conv, threads=1)
+    assert mtp_mod.available(cmodel)
+    plain, spec = runners(cmodel, "off"), runners(cmodel, "mtp", fixed_k=3)
+    for prompt in (LOOP, LOOP[::-1]):
+        assert run(spec, prompt, max_tokens=30)[:3] == run(plain, prompt, max_tokens=30)[:3]
+    drafted, _ = _spec_counts(spec)
+    assert drafted > 0 and drafted > spec.speculator.metrics.steps_total._value.get()  # several per step

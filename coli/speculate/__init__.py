@@ -16,11 +16,22 @@ reuse and KV persistence see exactly what decoding without speculation would hav
 
 Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
 ``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
-(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp; one
-draft per step). ``auto`` takes the best
-available source and switches itself off per request while the cost model
-(coli.speculate.cost) says a verification step costs more than its expected yield;
-a named source always drafts (k chosen by the cost model, at least 1). ``off``: never.
+(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp, chained
+on its own output for several drafts). ``auto`` takes the best available source and drafts
+per request only while the cost model (coli.speculate.cost) says a verification step's
+expected yield is worth its cost; a named source always drafts (k chosen by the cost
+model, at least 1). ``off``: never.
+
+How ``auto`` learns a request's acceptance without paying for it: prompt lookup costs
+nothing to consult, so while it is not drafting it keeps a *shadow* draft (what it would
+have proposed) and checks it against the tokens the model actually emits; the acceptance
+those checks give decides when drafting starts, and no verification step is spent on a
+request whose output does not repeat. Sources that cost a forward pass to consult (a
+draft model, MTP) cannot shadow for free: they probe with a short draft, rarely, and
+back off exponentially (16, 32, ... up to 256 steps) while probes fail. Before any step
+of more than one token is measured, the cost model assumes each extra token costs what
+the model's structure says it reads: for a mixture of experts, the experts a new token
+routes to (all of them when experts stream from disk).
 """
 from __future__ import annotations
 
@@ -30,7 +41,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
-from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, Acceptance, StepCosts, best_k
+from coli.speculate.cost import Acceptance, StepCosts, best_k, prior_slope
 from coli.speculate.metrics import SpeculativeMetrics
 from coli.speculate.ngram import NgramDrafter
 from coli.speculate.verify import accept_run
@@ -41,6 +52,8 @@ MAX_K = 8  # draft tokens per verification at most
 MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
+SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
+SHADOW_PRIOR = (0.5, 1.0)  # ... its acceptance before any check (accepted, rejected): it waits for evidence
 
 
 def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:
@@ -63,6 +76,8 @@ class _State:
     ctx: list[int]  # prompt + output so far (the drafter's context)
     ngram: NgramDrafter = field(default_factory=NgramDrafter)
     acc: Acceptance = field(default_factory=Acceptance)
+    shadow: list[int] = field(default_factory=list)  # auto, prompt lookup not drafting: what it would have drafted
+    shadow_at: int = 0  # ... for the context positions from here on
     off_until: int = 0  # auto: no drafts before this step
     backoff: int = PROBE_AFTER
     probing: bool = False
@@ -76,7 +91,7 @@ class Speculator:
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
         streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
-        self.costs = StepCosts(prior_slope=STREAMED_PRIOR_SLOPE if streamed else PRIOR_SLOPE)
+        self.costs = StepCosts(prior_slope=prior_slope(runner.engine.model, streamed))
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
@@ -140,14 +155,16 @@ class Speculator:
             if limit < 1 or (st.adaptive and self.fixed_k is None and self._step < st.off_until):
                 continue
             if st.source == "ngram":  # a lookup costs next to nothing: look first, then decide how much pays
+                if st.shadow:  # auto: a shadow draft is still being checked against the output
+                    continue
                 d = st.ngram.propose(st.ctx, limit)
                 k = self._choose(st, m, len(d)) if d else 0
                 if k:
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
                     m += k
+                elif d and st.adaptive and self.fixed_k is None:
+                    st.shadow, st.shadow_at = d[:SHADOW_K], len(st.ctx)
                 continue
-            if st.source == "mtp":
-                limit = 1  # one next-token layer: one draft per step
             k = self._choose(st, m, limit)
             if k:
                 wanted.append((i, st, k))
@@ -204,6 +221,8 @@ class Speculator:
             if st is not None:
                 g = req.payload
                 st.ctx.extend(g.generated[len(st.ctx) - len(req.prompt):])  # the tokens emitted since
+                if st.shadow:
+                    _check_shadow(st)
             return st
         g = req.payload
         mode = g.speculative or self.mode
@@ -214,6 +233,8 @@ class Speculator:
             source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
                       "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
             st = _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated])
+            if st.adaptive and source == "ngram":  # it learns from shadow drafts: start doubtful
+                st.acc = Acceptance(*SHADOW_PRIOR)
         self._states[req] = st
         return st
 
@@ -227,6 +248,8 @@ class Speculator:
         k, gain = best_k(st.acc.rate, self.costs, m, limit, cost)
         if not st.adaptive:
             return max(1, k)
+        if st.source == "ngram":  # shadow drafts keep its acceptance current: no trials needed
+            return k if gain >= MIN_GAIN else 0
         if k and gain >= MIN_GAIN:
             st.backoff, st.probing = PROBE_AFTER, False
             return k
@@ -237,3 +260,17 @@ class Speculator:
             st.backoff = min(st.backoff * 2, MAX_BACKOFF)
         st.probing, st.off_until = False, self._step + st.backoff
         return 0
+
+
+def _check_shadow(st: _State) -> None:
+    """Score a pending shadow draft against the tokens emitted since it was made, as a
+    verification of it would have: accepted while they match, rejected at the first
+    difference. Still pending while every emitted token matched and some are unchecked."""
+    new = st.ctx[st.shadow_at:]
+    d = st.shadow
+    n = 0
+    while n < len(new) and n < len(d) and new[n] == d[n]:
+        n += 1
+    if n == len(d) or n < len(new):
+        st.acc.learn(n, n < len(d))
+        st.shadow = []

@@ -92,9 +92,13 @@ class Acceptance:
         """The chance that a draft token is accepted, given the ones before it were."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def record(self, drafted: int, accepted: int, rejected: bool) -> None:
+    def learn(self, accepted: int, rejected: bool) -> None:
+        """One verification's outcome (or a shadow draft's, checked against the output)."""
         self.accepted = self.accepted * DECAY + accepted
         self.rejected = self.rejected * DECAY + (1 if rejected else 0)
+
+    def record(self, drafted: int, accepted: int, rejected: bool) -> None:
+        self.learn(accepted, rejected)
         self.drafted_total += drafted
         self.accepted_total += accepted
         self.steps += 1
@@ -118,3 +122,24 @@ def best_k(a: float, costs: StepCosts, m: int, limit: int, draft_seconds: float 
         if g > gain:
             best, gain = k, g
     return best, gain
+
+
+def prior_slope(net, streamed: bool = False) -> float:
+    """The cost of each extra token in a step, relative to a 1-token step, before any is
+    measured. Dense weights are read once for every token of a step (PRIOR_SLOPE: the extra
+    arithmetic); a mixture of experts reads, for each extra token, the experts it routes
+    to that the others did not, about (1 - k/E) of a token's own (k of E experts). Their
+    share is the routed experts' part of the weights one token reads. With experts
+    streamed from disk those reads dominate: at least STREAMED_PRIOR_SLOPE."""
+    moes = getattr(net, "moe_layers", None) or []
+    if not moes:
+        return PRIOR_SLOPE
+    cfg = net.cfg
+    H = cfg.hidden_size
+    routed = sum(m.k * 3 * H * m.inter for m in moes)
+    dense = (len(net.layers) - len(moes)) * 3 * H * max(cfg.intermediate_size, 0)
+    other = len(net.layers) * 4 * H * H + cfg.vocab_size * H + dense
+    share = routed / (routed + other)
+    fresh = sum(1.0 - m.k / m.E for m in moes) / len(moes)
+    slope = PRIOR_SLOPE * (1.0 - share) + fresh * share
+    return max(slope, STREAMED_PRIOR_SLOPE) if streamed else slope
