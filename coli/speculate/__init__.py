@@ -48,12 +48,18 @@ from coli.speculate.verify import accept_run
 
 MODES = ("auto", "off", "ngram", "mtp", "draft")
 ENV = "COLI_SPECULATIVE"
-MAX_K = 8  # draft tokens per verification at most
+MAX_K = 16  # draft tokens per verification at most
 MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
 SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
-SHADOW_PRIOR = (0.5, 1.0)  # ... its acceptance before any check (accepted, rejected): it waits for evidence
+# ... its acceptance before any check (accepted, rejected), by match class (2-3, 4-7, 8+ tokens):
+# a short match waits for evidence, a long one is trusted from the start
+SHADOW_PRIORS = ((0.5, 1.0), (1.0, 1.0), (3.0, 1.0))
+
+
+def match_class(n: int) -> int:
+    return 0 if n < 4 else 1 if n < 8 else 2
 
 
 def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:
@@ -75,9 +81,20 @@ class _State:
     adaptive: bool  # auto: may switch itself off
     ctx: list[int]  # prompt + output so far (the drafter's context)
     ngram: NgramDrafter = field(default_factory=NgramDrafter)
-    acc: Acceptance = field(default_factory=Acceptance)
+    accs: dict[int, Acceptance] = field(default_factory=dict)  # by class of prompt lookup's match length
+    cls: int = 0  # the class of the draft (or shadow draft) now out
     shadow: list[int] = field(default_factory=list)  # auto, prompt lookup not drafting: what it would have drafted
     shadow_at: int = 0  # ... for the context positions from here on
+
+    @property
+    def acc(self) -> Acceptance:
+        """The acceptance of drafts like the one now out (prompt lookup: by its match's length:
+        a long match follows the passage being copied, a short one is a guess)."""
+        a = self.accs.get(self.cls)
+        if a is None:
+            a = self.accs[self.cls] = Acceptance(*SHADOW_PRIORS[self.cls]) if self.adaptive and self.source == "ngram" \
+                else Acceptance()
+        return a
     off_until: int = 0  # auto: no drafts before this step
     backoff: int = PROBE_AFTER
     probing: bool = False
@@ -158,6 +175,7 @@ class Speculator:
                 if st.shadow:  # auto: a shadow draft is still being checked against the output
                     continue
                 d = st.ngram.propose(st.ctx, limit)
+                st.cls = match_class(st.ngram.match)
                 k = self._choose(st, m, len(d)) if d else 0
                 if k:
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
@@ -233,8 +251,6 @@ class Speculator:
             source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
                       "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
             st = _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated])
-            if st.adaptive and source == "ngram":  # it learns from shadow drafts: start doubtful
-                st.acc = Acceptance(*SHADOW_PRIOR)
         self._states[req] = st
         return st
 

@@ -11,7 +11,6 @@ Speculating with k drafts pays when yield / relative cost > 1; the best k maximi
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs this much of a 1-token step
@@ -21,9 +20,17 @@ MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fit
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
 
 
+def _low(q) -> float:
+    """A step size's cost: the lower quartile of its recent steps. Contention only ever adds
+    time (a core taken away, a thread spinning at a barrier while its partner waits for one),
+    so on a shared machine the low end is the step's own cost; on a quiet one it is the median."""
+    s = sorted(q)
+    return s[(len(s) - 1) // 4]
+
+
 class StepCosts:
-    """Seconds of a decode step by its tokens M: the median of the last WINDOW steps of each
-    size (robust to the spikes a shared machine adds to some steps)."""
+    """Seconds of a decode step by its tokens M: the lower quartile of the last WINDOW steps
+    of each size (robust to the spikes a shared machine adds to some steps)."""
 
     def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE):
         self.samples: dict[int, deque[float]] = {}
@@ -33,7 +40,7 @@ class StepCosts:
 
     @property
     def mean(self) -> dict[int, float]:
-        return {m: statistics.median(q) for m, q in self.samples.items()}
+        return {m: _low(q) for m, q in self.samples.items()}
 
     @property
     def count(self) -> dict[int, int]:
@@ -45,26 +52,33 @@ class StepCosts:
         self._fit = None
 
     def __call__(self, m: int) -> float:
-        """t(m): the mean of steps of m tokens once there are MIN_SAMPLES of them, else a
+        """t(m): the cost of steps of m tokens once there are MIN_SAMPLES of them, else a
         straight line fitted to the sizes measured so far (each weighted by its count, up
         to 10), so one noisy step of a new size neither locks k in nor out; with one size
-        known, the line through it with the prior slope; with none, the prior relative costs."""
+        known, the line through it with the prior slope; with none, the prior relative costs.
+        Beyond twice the largest size measured the line grows at least at the prior slope, so
+        k climbs to sizes whose cost is known (doubling) rather than jumping on an extrapolation."""
         t = self._known.get(m)
         if t is None:
             q = self.samples.get(m)
             if q is not None and len(q) >= MIN_SAMPLES:
-                t = statistics.median(q)
+                t = _low(q)
             else:
                 if self._fit is None:
                     self._fit = self._line()
                 a, b = self._fit
-                t = max(1e-9, a + b * (m - 1))
+                top = 2 * max(self.samples, default=1)
+                if m <= top:
+                    t = max(1e-9, a + b * (m - 1))
+                else:  # past twice the largest size measured: a step may grow faster than the small ones
+                    # suggest (a GEMM's tile runs out, the LM head's rows add up), so not below the prior
+                    t = max(1e-9, a + b * (top - 1)) + (m - top) * max(b, self.prior_slope * a)
             self._known[m] = t
         return t
 
     def _line(self) -> tuple[float, float]:
         """(t(1), slope) of the weighted least-squares line through the measured means."""
-        pts = [(x - 1.0, statistics.median(q), float(min(len(q), 10))) for x, q in self.samples.items()]
+        pts = [(x - 1.0, _low(q), float(min(len(q), 10))) for x, q in self.samples.items()]
         if not pts:
             return 1.0, self.prior_slope
         if len(pts) == 1:
