@@ -95,6 +95,50 @@ def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
     for _ in range(20):
         a.record(4, 4, False)
     assert a.rate > 0.9  # old outcomes fade
+    c = StepCosts(prior_slope=0.5)
+    c.observe(1, 1.0)
+    c.observe(2, 1.1)
+    assert c(4) == pytest.approx(1.3)  # up to twice the largest size measured: the line
+    assert c(6) == pytest.approx(1.3 + 2 * 0.5)  # past it: at least the prior slope
+    for x in (1.0, 1.0, 1.0, 9.0, 9.0):
+        c.observe(3, x)
+    assert c(3) == 1.0  # the lower quartile: contention's spikes only ever add time
+
+
+def test_step_cost_prior_follows_the_expert_share():
+    from types import SimpleNamespace as NS
+
+    from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, prior_slope
+
+    dense = NS(moe_layers=[], layers=[0] * 16, cfg=NS(hidden_size=2048, intermediate_size=8192, vocab_size=50304))
+    assert prior_slope(dense) == PRIOR_SLOPE
+    moe = NS(moe_layers=[NS(k=8, E=64, inter=1024)] * 16, layers=[0] * 16,
+             cfg=NS(hidden_size=2048, intermediate_size=0, vocab_size=50304))  # olmoe-1b-7b's shape
+    assert 0.6 < prior_slope(moe) < 1 - 8 / 64  # each extra token reads ~7/8 of its experts anew
+    assert prior_slope(moe, streamed=True) >= STREAMED_PRIOR_SLOPE
+
+
+def test_auto_learns_acceptance_from_shadow_drafts_checked_against_the_output():
+    from coli.speculate import _check_shadow, _State
+
+    st = _State("ngram", adaptive=True, ctx=[1, 2, 3])
+    st.cls = 0
+    before = st.acc.rate
+    assert before < 0.5  # a short match waits for evidence
+    st.shadow, st.shadow_at = [4, 5, 6, 7], 3
+    st.ctx += [4, 5]
+    _check_shadow(st)
+    assert st.shadow and st.acc.rate == before  # all matched so far: still pending
+    st.ctx += [6, 7]
+    _check_shadow(st)
+    assert not st.shadow and st.acc.rate > 0.8  # the whole shadow draft came true
+    high = st.acc.rate
+    st.shadow, st.shadow_at = [1, 2], len(st.ctx)
+    st.ctx += [9]
+    _check_shadow(st)
+    assert not st.shadow and st.acc.rate < high  # rejected at its first token
+    st.cls = 2
+    assert st.acc.rate > 0.7  # each match class keeps its own count; a long match starts trusted
 
 
 def test_modes_resolve_from_the_argument_then_the_environment():

@@ -17,6 +17,7 @@ PRIOR_SLOPE = 0.35  # before any measurement: each extra token in a step costs t
 STREAMED_PRIOR_SLOPE = 0.8  # ... when experts stream from disk: each token may need experts read for it alone
 WINDOW = 15  # recent steps per size that the median is taken over
 MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
+REFRESH = 16  # observations between recomputations of the cost table
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
 
 
@@ -37,6 +38,7 @@ class StepCosts:
         self.window, self.prior_slope = window, prior_slope
         self._known: dict[int, float] = {}  # t(m) computed since the last observation
         self._fit: tuple[float, float] | None = None
+        self._seen = 0  # observations since t(m) was last computed
 
     @property
     def mean(self) -> dict[int, float]:
@@ -47,9 +49,17 @@ class StepCosts:
         return {m: len(q) for m, q in self.samples.items()}
 
     def observe(self, m: int, seconds: float) -> None:
-        self.samples.setdefault(m, deque(maxlen=self.window)).append(seconds)
-        self._known.clear()
-        self._fit = None
+        q = self.samples.get(m)
+        if q is None:
+            q = self.samples[m] = deque(maxlen=self.window)
+        q.append(seconds)
+        self._seen += 1
+        # t(m) is computed again after a new size, while a size gathers its first samples, or
+        # every REFRESH steps: the costs change slowly, and decode steps come every millisecond
+        if len(q) <= MIN_SAMPLES or self._seen >= REFRESH:
+            self._known.clear()
+            self._fit = None
+            self._seen = 0
 
     def __call__(self, m: int) -> float:
         """t(m): the cost of steps of m tokens once there are MIN_SAMPLES of them, else a
@@ -135,6 +145,8 @@ def best_k(a: float, costs: StepCosts, m: int, limit: int, draft_seconds: float 
         g = expected_tokens(a, k) * base / (costs(m + k) + k * draft_seconds)
         if g > gain:
             best, gain = k, g
+        elif k >= best + 3:  # the gain peaks once: three sizes past the best, stop looking
+            break
     return best, gain
 
 
