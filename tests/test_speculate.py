@@ -350,6 +350,34 @@ def test_a_draft_model_with_the_same_tokenizer_gives_the_same_greedy_text(moe, r
         Runner(moe, speculative="draft", draft_model=coli.load(tmp_path / "other", threads=1), persist=False)
 
 
+DRAFTED = [("llama", "int4"), ("gemma3_text", None), ("olmoe", "bf16"), ("deepseek_v3", "int8")]
+
+
+@pytest.mark.parametrize("name,quant", DRAFTED, ids=[f"{n}-{q or 'f32'}" for n, q in DRAFTED])
+def test_draft_model_speculation_is_plain_decoding_across_families_and_formats(name, quant, hf_models, runners,
+                                                                                tmp_path):
+    """A small llama drafting for each family and format, in steps shared with a request that
+    does not speculate, with max_tokens ending inside verified runs."""
+    from conftest import make_hf_model
+
+    make_hf_model("llama", tmp_path / "small", seed=5, num_hidden_layers=1, hidden_size=32, intermediate_size=48)
+    small = coli.load(tmp_path / "small", threads=1)
+    model = coli.load(hf_models(name), threads=1, **({"quant": quant} if quant else {}))
+    plain = runners(model, "off", kv_slots=2)
+    spec = runners(model, "draft", fixed_k=3, draft_model=small, kv_slots=2)
+    for n in (30, 7, 2):
+        want = [run(plain, p, max_tokens=n)[:3] for p in (LOOP, LOOP[::-1])]
+        with spec.scheduler.paused():  # both decode in shared steps, one of them without drafts
+            hs = [spec.submit(LOOP, max_tokens=n, sampling=GREEDY),
+                  spec.submit(LOOP[::-1], max_tokens=n, sampling=GREEDY, speculative="off")]
+        for h, w in zip(hs, want):
+            evs = list(h.events(WAIT))
+            got = ("".join(e.text for e in evs if isinstance(e, TextDelta)), evs[-1].finish_reason,
+                   next(e for e in evs if isinstance(e, Usage)).completion_tokens)
+            assert got == w
+    assert _spec_counts(spec)[0] > 0
+
+
 def _softmax(x):
     x = x.astype(np.float64)
     e = np.exp(x - x.max())
