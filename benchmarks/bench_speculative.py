@@ -76,9 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ram-budget", default=None, help="as coli's --ram-budget: experts beyond it stream from disk")
     ap.add_argument("--prompt-tokens", type=int, default=96, help="synthetic workloads' prompt length")
     ap.add_argument("--only", default=None, help="only the workloads whose name contains this")
+    ap.add_argument("--ctx", type=int, default=None, help="the context to plan memory for (a small one lets a "
+                                                           "small --ram-budget hold its KV)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    opts = {k: v for k, v in dict(quant=a.quant, process_budget=a.ram_budget).items() if v}
+    opts = {k: v for k, v in dict(quant=a.quant, process_budget=a.ram_budget, max_context=a.ctx).items() if v}
     if a.synthetic:
         from coli import synthetic
 

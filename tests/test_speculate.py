@@ -100,9 +100,17 @@ def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
     c.observe(2, 1.1)
     assert c(4) == pytest.approx(1.3)  # up to twice the largest size measured: the line
     assert c(6) == pytest.approx(1.3 + 2 * 0.5)  # past it: at least the prior slope
+    c = StepCosts()
+    c.observe(1, 0.5)
     for x in (1.0, 1.0, 1.0, 9.0, 9.0):
         c.observe(3, x)
     assert c(3) == 1.0  # the lower quartile: contention's spikes only ever add time
+    moe = StepCosts(floor_slope=0.6)
+    for m, t in ((1, 1.0), (2, 0.9), (3, 1.1)):  # noise, or a cache that warmed while drafting
+        for _ in range(3):
+            moe.observe(m, t)
+    assert moe(2) == pytest.approx(1.6) and moe(3) == pytest.approx(2.2)  # never below the experts' floor
+    assert best_k(0.55, moe, 1, 4)[0] == 0  # so 55% acceptance does not look like a gain
 
 
 def test_step_cost_prior_follows_the_expert_share():

@@ -41,7 +41,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
-from coli.speculate.cost import Acceptance, StepCosts, best_k, prior_slope
+from coli.speculate.cost import Acceptance, StepCosts, best_k, floor_slope, prior_slope
 from coli.speculate.metrics import SpeculativeMetrics
 from coli.speculate.ngram import NgramDrafter
 from coli.speculate.verify import accept_run
@@ -108,7 +108,8 @@ class Speculator:
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
         streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
-        self.costs = StepCosts(prior_slope=prior_slope(runner.engine.model, streamed))
+        net = runner.engine.model
+        self.costs = StepCosts(prior_slope=prior_slope(net, streamed), floor_slope=floor_slope(net, streamed))
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)

@@ -33,9 +33,9 @@ class StepCosts:
     """Seconds of a decode step by its tokens M: the lower quartile of the last WINDOW steps
     of each size (robust to the spikes a shared machine adds to some steps)."""
 
-    def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE):
+    def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE, floor_slope: float = 0.0):
         self.samples: dict[int, deque[float]] = {}
-        self.window, self.prior_slope = window, prior_slope
+        self.window, self.prior_slope, self.floor_slope = window, prior_slope, floor_slope
         self._known: dict[int, float] = {}  # t(m) computed since the last observation
         self._fit: tuple[float, float] | None = None
         self._seen = 0  # observations since t(m) was last computed
@@ -66,7 +66,10 @@ class StepCosts:
         straight line fitted to the sizes measured so far (each weighted by its count, up
         to 10), so one noisy step of a new size neither locks k in nor out; with one size
         known, the line through it with the prior slope; with none, the prior relative costs.
-        Beyond twice the largest size measured the line grows at least at the prior slope, so
+        A longer step is never taken to cost less than a shorter one, nor less than
+        ``floor_slope`` of a 1-token step per extra token (a mixture of experts reads each
+        token's own experts: measurements that say otherwise are noise, or steps timed
+        while an expert cache warmed). Beyond twice the largest size measured the line grows at least at the prior slope, so
         k climbs to sizes whose cost is known (doubling) rather than jumping on an extrapolation."""
         t = self._known.get(m)
         if t is None:
@@ -83,6 +86,8 @@ class StepCosts:
                 else:  # past twice the largest size measured: a step may grow faster than the small ones
                     # suggest (a GEMM's tile runs out, the LM head's rows add up), so not below the prior
                     t = max(1e-9, a + b * (top - 1)) + (m - top) * max(b, self.prior_slope * a)
+            if m > 1:  # a longer step never costs less than a shorter one, nor than its floor
+                t = max(t, self(m - 1), self(1) * (1.0 + self.floor_slope * (m - 1)))
             self._known[m] = t
         return t
 
@@ -148,6 +153,13 @@ def best_k(a: float, costs: StepCosts, m: int, limit: int, draft_seconds: float 
         elif k >= best + 3:  # the gain peaks once: three sizes past the best, stop looking
             break
     return best, gain
+
+
+def floor_slope(net, streamed: bool = False) -> float:
+    """The least a mixture of experts' extra token can cost (see StepCosts): 3/4 of the
+    prior; 0 for a dense model, whose extra tokens may be nearly free where it is bound by
+    memory bandwidth."""
+    return 0.75 * prior_slope(net, streamed) if getattr(net, "moe_layers", None) else 0.0
 
 
 def prior_slope(net, streamed: bool = False) -> float:
