@@ -85,6 +85,9 @@ class _State:
     cls: int = 0  # the class of the draft (or shadow draft) now out
     shadow: list[int] = field(default_factory=list)  # auto, prompt lookup not drafting: what it would have drafted
     shadow_at: int = 0  # ... for the context positions from here on
+    off_until: int = 0  # auto: no drafts before this step
+    backoff: int = PROBE_AFTER
+    probing: bool = False
 
     @property
     def acc(self) -> Acceptance:
@@ -95,9 +98,6 @@ class _State:
             a = self.accs[self.cls] = Acceptance(*SHADOW_PRIORS[self.cls]) if self.adaptive and self.source == "ngram" \
                 else Acceptance()
         return a
-    off_until: int = 0  # auto: no drafts before this step
-    backoff: int = PROBE_AFTER
-    probing: bool = False
 
 
 class Speculator:
