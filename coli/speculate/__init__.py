@@ -50,12 +50,15 @@ MODES = ("auto", "off", "ngram", "mtp", "draft")
 ENV = "COLI_SPECULATIVE"
 MAX_K = 16  # draft tokens per verification at most
 MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
+# ... with experts streamed from disk: a verification also reads experts that evict ones the
+# next steps need, a cost no step time shows
+MIN_GAIN_STREAMED = 1.15
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
 SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
 # ... its acceptance before any check (accepted, rejected), by match class (2-3, 4-7, 8+ tokens):
-# a short match waits for evidence, a long one is trusted from the start
-SHADOW_PRIORS = ((0.5, 1.0), (1.0, 1.0), (3.0, 1.0))
+# a short match waits for evidence, a long one is trusted sooner (where extra tokens are cheap: at once)
+SHADOW_PRIORS = ((0.5, 1.0), (1.0, 1.0), (1.5, 1.0))
 
 
 def match_class(n: int) -> int:
@@ -108,6 +111,7 @@ class Speculator:
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
         streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
+        self.min_gain = MIN_GAIN_STREAMED if streamed else MIN_GAIN
         net = runner.engine.model
         self.costs = StepCosts(prior_slope=prior_slope(net, streamed), floor_slope=floor_slope(net, streamed))
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
@@ -266,8 +270,8 @@ class Speculator:
         if not st.adaptive:
             return max(1, k)
         if st.source == "ngram":  # shadow drafts keep its acceptance current: no trials needed
-            return k if gain >= MIN_GAIN else 0
-        if k and gain >= MIN_GAIN:
+            return k if gain >= self.min_gain else 0
+        if k and gain >= self.min_gain:
             st.backoff, st.probing = PROBE_AFTER, False
             return k
         if st.off_until and not st.probing:  # the off period is over: one trial with a short draft
