@@ -55,6 +55,8 @@ MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
 MIN_GAIN_STREAMED = 1.15
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
+TIME_PLAIN_EVERY = 4  # steps without drafts: one in this many is timed for the cost model
+_UNSEEN = object()
 SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
 # ... its acceptance before any check (accepted, rejected), by match class (2-3, 4-7, 8+ tokens):
 # a short match waits for evidence, a long one is trusted sooner (where extra tokens are cheap: at once)
@@ -119,6 +121,7 @@ class Speculator:
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
         self._step = 0
         self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
+        self._timed = True  # this step's time goes to the cost model
 
     @classmethod
     def create(cls, runner, mode: str | None = None, draft_model=None, **kw) -> Speculator:
@@ -159,7 +162,10 @@ class Speculator:
         try:
             self._extend(plan)
         finally:
-            self._cpu0 = time.thread_time()
+            # every step with drafts is timed, plain ones only now and then (their cost changes
+            # slowly, and reading the thread's CPU clock is a system call)
+            self._timed = self._step % TIME_PLAIN_EVERY == 0 or self._step < 32 or any(s.draft for s in plan.seqs)
+            self._cpu0 = time.thread_time() if self._timed else None
 
     def _extend(self, plan) -> None:
         self._step += 1
@@ -209,10 +215,12 @@ class Speculator:
         (The kernels' other threads are not counted; the calling thread takes part in every
         parallel region, so its CPU time follows the step's length.) Time spent waiting for
         experts to arrive from disk is added: a verification step may read more of them."""
-        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
-        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if self.mtp is not None:
             self.mtp.capture(plan, self._may_use_mtp)  # the hidden states the MTP layer drafts from
+        if not self._timed:
+            return
+        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
+        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
             self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
@@ -239,8 +247,8 @@ class Speculator:
         return g.score_from is None and (g.speculative or self.mode) in ("auto", "mtp")
 
     def _state(self, req) -> _State | None:
-        if req in self._states:
-            st = self._states[req]
+        st = self._states.get(req, _UNSEEN)
+        if st is not _UNSEEN:
             if st is not None:
                 g = req.payload
                 st.ctx.extend(g.generated[len(st.ctx) - len(req.prompt):])  # the tokens emitted since
