@@ -159,6 +159,9 @@ class Speculator:
     def extend(self, plan) -> None:
         """Append draft tokens to the plan's decoding entries (in place). Steps that
         prefill a prompt get none: the prompt's tokens dominate their cost."""
+        if self.mode == "off" and not any(s.request.payload.speculative for s in plan.seqs):
+            self._timed = False  # nothing in this step may speculate: no work at all
+            return
         try:
             self._extend(plan)
         finally:
