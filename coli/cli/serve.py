@@ -116,7 +116,7 @@ def serve(
                                                          **cluster_speculation(speculative, draft_model)),
                                      state_dir=state_dir)
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
-    mode, draft = speculation(speculative, draft_model, m)
+    mode, draft = (None, None) if cluster else speculation(speculative, draft_model, m)  # (workers load theirs)
     runner = runner if cluster else Runner(m, kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout, ctx=ctx, kv_dir=kv_dir,
                     persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True),
                     speculative=mode, draft_model=draft)
