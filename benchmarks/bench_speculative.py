@@ -4,6 +4,11 @@ generation (a question), through the runner, side by side in one run.
 
     python benchmarks/bench_speculative.py --threads 2                 # the built-in model
     python benchmarks/bench_speculative.py -m DIR --modes auto ngram --json
+    python benchmarks/bench_speculative.py --synthetic olmoe-1b-7b --ram-budget 1G --max-tokens 48
+
+A synthetic (random-weight) model cannot be asked anything in words: its workloads are
+seeded random token prompts, "copy" with its first two thirds repeated at the end (the
+model is shown text it may write again), "free" without.
 
 Each workload runs speculation off and on alternately (coli.speculate.bench.compare), and
 reports decode tok/s both ways, the speed-up, the acceptance rate, the mean tokens per
@@ -13,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 import coli
 from coli._engine import kernels as K
@@ -46,6 +54,15 @@ WORKLOADS = {
 }
 
 
+def synthetic_workloads(model, n: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(1)
+    V = model.config.vocab_size
+    size = max(1, n * 2 // 3)
+    part = rng.integers(2, V, size=size).tolist()
+    return {"copy: repeated random text": part + part[: n - size],
+            "free: random text": rng.integers(2, V, size=n).tolist()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="model directory (default: the built-in model)")
@@ -55,14 +72,30 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=["auto"], help="speculative modes to compare with off")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--synthetic", default=None, help="a seeded random-weight model (coli.synthetic) instead")
+    ap.add_argument("--ram-budget", default=None, help="as coli's --ram-budget: experts beyond it stream from disk")
+    ap.add_argument("--prompt-tokens", type=int, default=96, help="synthetic workloads' prompt length")
+    ap.add_argument("--only", default=None, help="only the workloads whose name contains this")
+    ap.add_argument("--ctx", type=int, default=None, help="the context to plan memory for (a small one lets a "
+                                                           "small --ram-budget hold its KV)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    model = coli.load(a.model, threads=a.threads, **({"quant": a.quant} if a.quant else {}))
+    opts = {k: v for k, v in dict(quant=a.quant, process_budget=a.ram_budget, max_context=a.ctx).items() if v}
+    if a.synthetic:
+        from coli import synthetic
+
+        opts.pop("quant", None)
+        model = coli.load(synthetic.ensure(a.synthetic, a.quant or "int4"), threads=a.threads, **opts)
+    else:
+        model = coli.load(a.model, threads=a.threads, **opts)
     draft = coli.load(a.draft_model, threads=a.threads) if a.draft_model else None
+    workloads = synthetic_workloads(model, a.prompt_tokens) if a.synthetic else {
+        name: model.prompt_ids([{"role": "user", "content": text}]) for name, text in WORKLOADS.items()}
     rows = []
     for mode in a.modes:
-        for name, text in WORKLOADS.items():
-            ids = model.prompt_ids([{"role": "user", "content": text}])
+        for name, ids in workloads.items():
+            if a.only and a.only not in name:
+                continue
             res = compare(model, [ids], mode, max_tokens=a.max_tokens, repeats=a.repeats, draft_model=draft)
             res.update(workload=name, prompt_tokens=len(ids))
             rows.append(res)
@@ -71,7 +104,8 @@ def main(argv=None) -> int:
                   f"{res['speedup_cpu']:5.2f}x  accept {res['acceptance_rate']:5.1%}  {res['tokens_per_step']:.2f} tok/step"
                   f"  {'same text' if res['identical'] else 'TEXT DIFFERS'}", file=sys.stderr)
     meta = dict(model=str(Path(model.path)), threads=a.threads, simd=K.simd_name(),
-                quant=getattr(model.weights, "quant", "f32"), max_tokens=a.max_tokens, repeats=a.repeats)
+                quant=getattr(model.weights, "quant", "f32"), max_tokens=a.max_tokens, repeats=a.repeats,
+                ram_budget=a.ram_budget, load=os.getloadavg())
     if a.json:
         print(json.dumps(dict(meta, results=rows), indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -67,6 +67,11 @@ def test_ngram_drafts_what_followed_the_longest_earlier_suffix():
     assert d.propose(ctx, 2) == []  # a shorter context (reused drafter) starts the index again
     ctx += [9, 1, 2]
     assert d.propose(ctx, 2) == [9, 1]  # extended incrementally as tokens arrive
+    # the occurrence matching furthest back wins over a later, shorter one
+    X, Y = 40, 41
+    d = NgramDrafter()
+    assert d.propose([5, 1, 2, 3, X, 9, 2, 3, Y, 5, 1, 2, 3], 2) == [X, 9] and d.match == 4
+    assert d.propose([5, 1, 2, 3, X, 9, 2, 3, Y, 5, 1, 2, 3, X, 6, 2, 3], 1) == [X] and d.match == 2  # ties: the latest
 
 
 def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
@@ -90,6 +95,58 @@ def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
     for _ in range(20):
         a.record(4, 4, False)
     assert a.rate > 0.9  # old outcomes fade
+    c = StepCosts(prior_slope=0.5)
+    c.observe(1, 1.0)
+    c.observe(2, 1.1)
+    assert c(4) == pytest.approx(1.3)  # up to twice the largest size measured: the line
+    assert c(6) == pytest.approx(1.3 + 2 * 0.5)  # past it: at least the prior slope
+    c = StepCosts()
+    c.observe(1, 0.5)
+    for x in (1.0, 1.0, 1.0, 9.0, 9.0):
+        c.observe(3, x)
+    assert c(3) == 1.0  # the lower quartile: contention's spikes only ever add time
+    moe = StepCosts(floor_slope=0.6)
+    for m, t in ((1, 1.0), (2, 0.9), (3, 1.1)):  # noise, or a cache that warmed while drafting
+        for _ in range(3):
+            moe.observe(m, t)
+    assert moe(2) == pytest.approx(1.6) and moe(3) == pytest.approx(2.2)  # never below the experts' floor
+    assert best_k(0.55, moe, 1, 4)[0] == 0  # so 55% acceptance does not look like a gain
+
+
+def test_step_cost_prior_follows_the_expert_share():
+    from types import SimpleNamespace as NS
+
+    from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, prior_slope
+
+    dense = NS(moe_layers=[], layers=[0] * 16, cfg=NS(hidden_size=2048, intermediate_size=8192, vocab_size=50304))
+    assert prior_slope(dense) == PRIOR_SLOPE
+    moe = NS(moe_layers=[NS(k=8, E=64, inter=1024)] * 16, layers=[0] * 16,
+             cfg=NS(hidden_size=2048, intermediate_size=0, vocab_size=50304))  # olmoe-1b-7b's shape
+    assert 0.6 < prior_slope(moe) < 1 - 8 / 64  # each extra token reads ~7/8 of its experts anew
+    assert prior_slope(moe, streamed=True) >= STREAMED_PRIOR_SLOPE
+
+
+def test_auto_learns_acceptance_from_shadow_drafts_checked_against_the_output():
+    from coli.speculate import _check_shadow, _State
+
+    st = _State("ngram", adaptive=True, ctx=[1, 2, 3])
+    st.cls = 0
+    before = st.acc.rate
+    assert before < 0.5  # a short match waits for evidence
+    st.shadow, st.shadow_at = [4, 5, 6, 7], 3
+    st.ctx += [4, 5]
+    _check_shadow(st)
+    assert st.shadow and st.acc.rate == before  # all matched so far: still pending
+    st.ctx += [6, 7]
+    _check_shadow(st)
+    assert not st.shadow and st.acc.rate > 0.8  # the whole shadow draft came true
+    high = st.acc.rate
+    st.shadow, st.shadow_at = [1, 2], len(st.ctx)
+    st.ctx += [9]
+    _check_shadow(st)
+    assert not st.shadow and st.acc.rate < high  # rejected at its first token
+    st.cls = 2
+    assert st.acc.rate == 0.6  # each match class keeps its own count; a long match starts less doubtful
 
 
 def test_modes_resolve_from_the_argument_then_the_environment():
@@ -301,6 +358,34 @@ def test_a_draft_model_with_the_same_tokenizer_gives_the_same_greedy_text(moe, r
         Runner(moe, speculative="draft", draft_model=coli.load(tmp_path / "other", threads=1), persist=False)
 
 
+DRAFTED = [("llama", "int4"), ("gemma3_text", None), ("olmoe", "bf16"), ("deepseek_v3", "int8")]
+
+
+@pytest.mark.parametrize("name,quant", DRAFTED, ids=[f"{n}-{q or 'f32'}" for n, q in DRAFTED])
+def test_draft_model_speculation_is_plain_decoding_across_families_and_formats(name, quant, hf_models, runners,
+                                                                                tmp_path):
+    """A small llama drafting for each family and format, in steps shared with a request that
+    does not speculate, with max_tokens ending inside verified runs."""
+    from conftest import make_hf_model
+
+    make_hf_model("llama", tmp_path / "small", seed=5, num_hidden_layers=1, hidden_size=32, intermediate_size=48)
+    small = coli.load(tmp_path / "small", threads=1)
+    model = coli.load(hf_models(name), threads=1, **({"quant": quant} if quant else {}))
+    plain = runners(model, "off", kv_slots=2)
+    spec = runners(model, "draft", fixed_k=3, draft_model=small, kv_slots=2)
+    for n in (30, 7, 2):
+        want = [run(plain, p, max_tokens=n)[:3] for p in (LOOP, LOOP[::-1])]
+        with spec.scheduler.paused():  # both decode in shared steps, one of them without drafts
+            hs = [spec.submit(LOOP, max_tokens=n, sampling=GREEDY),
+                  spec.submit(LOOP[::-1], max_tokens=n, sampling=GREEDY, speculative="off")]
+        for h, w in zip(hs, want):
+            evs = list(h.events(WAIT))
+            got = ("".join(e.text for e in evs if isinstance(e, TextDelta)), evs[-1].finish_reason,
+                   next(e for e in evs if isinstance(e, Usage)).completion_tokens)
+            assert got == w
+    assert _spec_counts(spec)[0] > 0
+
+
 def _softmax(x):
     x = x.astype(np.float64)
     e = np.exp(x - x.max())
@@ -464,3 +549,65 @@ def hf_path_without_mtp(tmp_path, arch):
     mt, ov = ARCHS[arch]
     make_hf_model(mt, tmp_path / f"{arch}-plain", **ov)
     return tmp_path / f"{arch}-plain"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_chains_on_its_own_output_and_converted_dirs_keep_it(arch, tmp_path, runners):
+    """k > 1 MTP drafts: each further entry joins the layer's own output (before its final
+    norm) with the draft just made, at the next position, attending to the entries before
+    it: checked against transformers' decoder layer run over the lengthened sequence. Then
+    `coli convert` keeps the MTP weights and a converted directory drafts with them."""
+    import torch
+
+    from coli.scheduler.core import ScheduledSeq, StepPlan
+    from coli.speculate import mtp as mtp_mod
+    from coli.weights.convert import convert
+
+    path, big, extra = _with_mtp(tmp_path, arch)
+    model = coli.load(path, threads=1)
+    n = model.config.num_hidden_layers
+    ids = LOOP[:12]
+
+    def rms(x, w, eps=big.config.rms_norm_eps):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def entry(tok, hidden):  # one MTP input row
+        e = torch.cat([rms(big.model.embed_tokens(torch.tensor([tok]))[0], extra["enorm.weight"]),
+                       rms(hidden, extra["hnorm.weight"])], -1)
+        return e @ extra["eh_proj.weight"].T
+
+    want = []
+    with torch.no_grad():
+        hs = big(torch.tensor([ids]), output_hidden_states=True).hidden_states[n]
+        hnormed = big.model.norm(hs)[0]
+        rows = [entry(t, hnormed[i]) for i, t in enumerate(ids[1:])]
+        layer = big.model.layers[n]
+        for _ in range(3):
+            e = torch.stack(rows)[None]
+            T = e.shape[1]
+            pos = torch.arange(T)[None]
+            mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+            out = layer(e, attention_mask=mask, position_ids=pos, position_embeddings=big.model.rotary_emb(e, pos))
+            out = (out[0] if isinstance(out, tuple) else out)[0, -1]
+            logits = rms(out, extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-3  # no near-tie for float rounding to flip
+            want.append(int(logits.argmax()))
+            rows.append(entry(want[-1], out))
+    spec = runners(model, "mtp")
+    mtp = spec.speculator.mtp
+    cache = model.engine.new_cache()
+    model.engine.step([(cache, ids)])
+    mtp.capture(StepPlan(1, [ScheduledSeq(None, 0, 0, ids, True)]), lambda req: True)
+    assert mtp.propose([(0, ids, 3)]) == [want]
+    assert mtp.caches[0].tokens == ids[1:]  # chained entries are scratch: only real ones stay
+    assert mtp.propose([(0, ids, 2)]) == [want[:2]]  # and computing again from there gives the same
+    # a converted directory keeps the MTP layer: drafts are made and change nothing
+    conv = convert(path, tmp_path / f"{arch}-conv", "int8")
+    cmodel = coli.load(conv, threads=1)
+    assert mtp_mod.available(cmodel)
+    plain, spec = runners(cmodel, "off"), runners(cmodel, "mtp", fixed_k=3)
+    for prompt in (LOOP, LOOP[::-1]):
+        assert run(spec, prompt, max_tokens=30)[:3] == run(plain, prompt, max_tokens=30)[:3]
+    drafted, _ = _spec_counts(spec)
+    assert drafted > 0 and drafted > spec.speculator.metrics.steps_total._value.get()  # several per step

@@ -34,6 +34,21 @@ def _ray_backend():
     return ray_backend
 
 
+def cluster_speculation(speculative: str | None, draft_model: str | None) -> dict:
+    """The workers' Runner options for --speculative / --draft-model (each worker loads the
+    draft model itself, from the path)."""
+    from coli.speculate import resolve_mode
+
+    mode = resolve_mode(speculative, default="auto")
+    if mode == "draft" and not draft_model:
+        raise fail("--speculative draft needs --draft-model DIR")
+    opts = {"speculative": mode}
+    if draft_model and mode != "off":
+        path = os.path.expanduser(draft_model)
+        opts["draft_model"] = os.path.abspath(path) if os.path.exists(path) else draft_model  # a path or a name
+    return opts
+
+
 def open_cluster_runner(address: str | None, workers: int, *, model: str | None, threads: int | None = None,
                         load_options: dict | None = None, runner_options: dict | None = None,
                         worker_cpus: float = 1, routing: str = "cache-aware", state_dir: str | None = None,

@@ -106,16 +106,17 @@ def serve(
                                    log_format=log_format)
     check_port(host, port)  # a port in use is one line now, not a traceback after loading
     if cluster:  # cluster mode (coli.cluster): the same front end over Ray workers
-        from coli.cli.cluster import open_cluster_runner, require_cluster
+        from coli.cli.cluster import cluster_speculation, open_cluster_runner, require_cluster
 
         require_cluster()
         runner = open_cluster_runner(cluster, workers, model=model, threads=threads, worker_cpus=worker_cpus,
                                      load_options=load_options(quant, ram_budget, pin), routing=routing,
                                      runner_options=dict(kv_slots=kv_slots, max_queue=max_queue,
-                                                         queue_timeout=queue_timeout, ctx=ctx),
+                                                         queue_timeout=queue_timeout, ctx=ctx,
+                                                         **cluster_speculation(speculative, draft_model)),
                                      state_dir=state_dir)
     m = load_model(model, threads, **load_options(quant, ram_budget, pin))
-    mode, draft = speculation(speculative, draft_model, m)
+    mode, draft = (None, None) if cluster else speculation(speculative, draft_model, m)  # (workers load theirs)
     runner = runner if cluster else Runner(m, kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout, ctx=ctx, kv_dir=kv_dir,
                     persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True),
                     speculative=mode, draft_model=draft)

@@ -36,6 +36,7 @@ from coli.scheduler.core import Request
 from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, ReasoningDelta, SchedulerClosedError,
                                    Started, TextDelta, TokenLogprob, ToolCallDelta, Usage)
 from coli.scheduler.stream import RequestHandle
+from coli.speculate import MODES as SPECULATIVE_MODES
 
 log = logging.getLogger("coli.cluster")
 RETRYABLE = frozenset({"queue_full", "queue_timeout", "scheduler_closed"})  # refusals: another worker may serve
@@ -198,14 +199,19 @@ class ClusterRunner:
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling=None, stop=None,
                cache_slot: int | None = None, routing: bool = False, request_id: str | None = None,
                ignore_leading_stop: bool = False, stop_token_ids: Collection[int] = (), logprobs: int | None = None,
-               logit_bias: Mapping[int, float] | None = None, parser=None, session: str | None = None) -> RequestHandle:
-        """As ``Runner.submit``; ``session``: requests with the same one stick to one worker."""
+               logit_bias: Mapping[int, float] | None = None, parser=None, session: str | None = None,
+               speculative: str | None = None) -> RequestHandle:
+        """As ``Runner.submit``; ``session``: requests with the same one stick to one worker;
+        ``speculative``: this request's coli.speculate mode, checked by the worker's runner."""
         ids = self._check(prompt)
         if sampling is not None:
             sampling.validate()
+        if speculative is not None and speculative not in SPECULATIVE_MODES:
+            raise InvalidRequestError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         opts = dict(max_tokens=int(max_tokens), sampling=sampling, stop=stop, cache_slot=cache_slot, routing=routing,
                     ignore_leading_stop=ignore_leading_stop, stop_token_ids=tuple(int(t) for t in stop_token_ids),
-                    logprobs=logprobs, logit_bias=dict(logit_bias) if logit_bias else None)
+                    logprobs=logprobs, logit_bias=dict(logit_bias) if logit_bias else None,
+                    **({"speculative": speculative} if speculative is not None else {}))
         return self._start(ids, opts, cache_slot, session, parser, request_id)
 
     def score(self, prompt: Sequence[int], start: int, *, cache_slot: int | None = None,

@@ -35,7 +35,10 @@ class Worker:
         self.name = name
         self.epoch = uuid.uuid4().hex  # a new one per incarnation (Ray restarts re-run __init__)
         self.model = model if model is not None else coli.load(model_path, **(load_options or {}))
-        self.runner = Runner(self.model, **{"persist": False, **(runner_options or {})})
+        opts = {"persist": False, **(runner_options or {})}
+        if isinstance(opts.get("draft_model"), str):  # --draft-model DIR: each worker loads its own copy
+            opts["draft_model"] = coli.load(opts["draft_model"], threads=self.model.engine.threads)
+        self.runner = Runner(self.model, **opts)
         self.kv = KVPublisher(block)
         self.handles: dict[str, object] = {}
         self.seen: set[str] = set()  # assignment ids this incarnation has taken (the worker's fence)

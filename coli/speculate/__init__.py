@@ -16,11 +16,22 @@ reuse and KV persistence see exactly what decoding without speculation would hav
 
 Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
 ``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
-(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp; one
-draft per step). ``auto`` takes the best
-available source and switches itself off per request while the cost model
-(coli.speculate.cost) says a verification step costs more than its expected yield;
-a named source always drafts (k chosen by the cost model, at least 1). ``off``: never.
+(the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp, chained
+on its own output for several drafts). ``auto`` takes the best available source and drafts
+per request only while the cost model (coli.speculate.cost) says a verification step's
+expected yield is worth its cost; a named source always drafts (k chosen by the cost
+model, at least 1). ``off``: never.
+
+How ``auto`` learns a request's acceptance without paying for it: prompt lookup costs
+nothing to consult, so while it is not drafting it keeps a *shadow* draft (what it would
+have proposed) and checks it against the tokens the model actually emits; the acceptance
+those checks give decides when drafting starts, and no verification step is spent on a
+request whose output does not repeat. Sources that cost a forward pass to consult (a
+draft model, MTP) cannot shadow for free: they probe with a short draft, rarely, and
+back off exponentially (16, 32, ... up to 256 steps) while probes fail. Before any step
+of more than one token is measured, the cost model assumes each extra token costs what
+the model's structure says it reads: for a mixture of experts, the experts a new token
+routes to (all of them when experts stream from disk).
 """
 from __future__ import annotations
 
@@ -30,17 +41,30 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
-from coli.speculate.cost import PRIOR_SLOPE, STREAMED_PRIOR_SLOPE, Acceptance, StepCosts, best_k
+from coli.speculate.cost import Acceptance, StepCosts, best_k, floor_slope, prior_slope
 from coli.speculate.metrics import SpeculativeMetrics
 from coli.speculate.ngram import NgramDrafter
 from coli.speculate.verify import accept_run
 
 MODES = ("auto", "off", "ngram", "mtp", "draft")
 ENV = "COLI_SPECULATIVE"
-MAX_K = 8  # draft tokens per verification at most
+MAX_K = 16  # draft tokens per verification at most
 MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
+# ... with experts streamed from disk: a verification also reads experts that evict ones the
+# next steps need, a cost no step time shows
+MIN_GAIN_STREAMED = 1.15
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
+TIME_PLAIN_EVERY = 4  # steps without drafts: one in this many is timed for the cost model
+_UNSEEN = object()
+SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
+# ... its acceptance before any check (accepted, rejected), by match class (2-3, 4-7, 8+ tokens):
+# a short match waits for evidence, a long one is trusted sooner (where extra tokens are cheap: at once)
+SHADOW_PRIORS = ((0.5, 1.0), (1.0, 1.0), (1.5, 1.0))
+
+
+def match_class(n: int) -> int:
+    return 0 if n < 4 else 1 if n < 8 else 2
 
 
 def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:
@@ -62,10 +86,23 @@ class _State:
     adaptive: bool  # auto: may switch itself off
     ctx: list[int]  # prompt + output so far (the drafter's context)
     ngram: NgramDrafter = field(default_factory=NgramDrafter)
-    acc: Acceptance = field(default_factory=Acceptance)
+    accs: dict[int, Acceptance] = field(default_factory=dict)  # by class of prompt lookup's match length
+    cls: int = 0  # the class of the draft (or shadow draft) now out
+    shadow: list[int] = field(default_factory=list)  # auto, prompt lookup not drafting: what it would have drafted
+    shadow_at: int = 0  # ... for the context positions from here on
     off_until: int = 0  # auto: no drafts before this step
     backoff: int = PROBE_AFTER
     probing: bool = False
+
+    @property
+    def acc(self) -> Acceptance:
+        """The acceptance of drafts like the one now out (prompt lookup: by its match's length:
+        a long match follows the passage being copied, a short one is a guess)."""
+        a = self.accs.get(self.cls)
+        if a is None:
+            a = self.accs[self.cls] = Acceptance(*SHADOW_PRIORS[self.cls]) if self.adaptive and self.source == "ngram" \
+                else Acceptance()
+        return a
 
 
 class Speculator:
@@ -76,12 +113,15 @@ class Speculator:
         self.runner, self.mode, self.draft = runner, mode, draft
         self.max_k, self.fixed_k = max_k, fixed_k  # fixed_k: always that many drafts (tests)
         streamed = runner.engine.io_stats() is not None  # experts read from disk: extra tokens cost more
-        self.costs = StepCosts(prior_slope=STREAMED_PRIOR_SLOPE if streamed else PRIOR_SLOPE)
+        self.min_gain = MIN_GAIN_STREAMED if streamed else MIN_GAIN
+        net = runner.engine.model
+        self.costs = StepCosts(prior_slope=prior_slope(net, streamed), floor_slope=floor_slope(net, streamed))
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
         self._step = 0
         self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
+        self._timed = True  # this step's time goes to the cost model
 
     @classmethod
     def create(cls, runner, mode: str | None = None, draft_model=None, **kw) -> Speculator:
@@ -119,10 +159,16 @@ class Speculator:
     def extend(self, plan) -> None:
         """Append draft tokens to the plan's decoding entries (in place). Steps that
         prefill a prompt get none: the prompt's tokens dominate their cost."""
+        if self.mode == "off" and not any(s.request.payload.speculative for s in plan.seqs):
+            self._timed = False  # nothing in this step may speculate: no work at all
+            return
         try:
             self._extend(plan)
         finally:
-            self._cpu0 = time.thread_time()
+            # every step with drafts is timed, plain ones only now and then (their cost changes
+            # slowly, and reading the thread's CPU clock is a system call)
+            self._timed = self._step % TIME_PLAIN_EVERY == 0 or self._step < 32 or any(s.draft for s in plan.seqs)
+            self._cpu0 = time.thread_time() if self._timed else None
 
     def _extend(self, plan) -> None:
         self._step += 1
@@ -140,14 +186,17 @@ class Speculator:
             if limit < 1 or (st.adaptive and self.fixed_k is None and self._step < st.off_until):
                 continue
             if st.source == "ngram":  # a lookup costs next to nothing: look first, then decide how much pays
+                if st.shadow:  # auto: a shadow draft is still being checked against the output
+                    continue
                 d = st.ngram.propose(st.ctx, limit)
+                st.cls = match_class(st.ngram.match)
                 k = self._choose(st, m, len(d)) if d else 0
                 if k:
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
                     m += k
+                elif d and st.adaptive and self.fixed_k is None:
+                    st.shadow, st.shadow_at = d[:SHADOW_K], len(st.ctx)
                 continue
-            if st.source == "mtp":
-                limit = 1  # one next-token layer: one draft per step
             k = self._choose(st, m, limit)
             if k:
                 wanted.append((i, st, k))
@@ -169,10 +218,12 @@ class Speculator:
         (The kernels' other threads are not counted; the calling thread takes part in every
         parallel region, so its CPU time follows the step's length.) Time spent waiting for
         experts to arrive from disk is added: a verification step may read more of them."""
-        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
-        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if self.mtp is not None:
             self.mtp.capture(plan, self._may_use_mtp)  # the hidden states the MTP layer drafts from
+        if not self._timed:
+            return
+        cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
+        cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
         if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
             self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
 
@@ -199,11 +250,13 @@ class Speculator:
         return g.score_from is None and (g.speculative or self.mode) in ("auto", "mtp")
 
     def _state(self, req) -> _State | None:
-        if req in self._states:
-            st = self._states[req]
+        st = self._states.get(req, _UNSEEN)
+        if st is not _UNSEEN:
             if st is not None:
                 g = req.payload
                 st.ctx.extend(g.generated[len(st.ctx) - len(req.prompt):])  # the tokens emitted since
+                if st.shadow:
+                    _check_shadow(st)
             return st
         g = req.payload
         mode = g.speculative or self.mode
@@ -227,7 +280,9 @@ class Speculator:
         k, gain = best_k(st.acc.rate, self.costs, m, limit, cost)
         if not st.adaptive:
             return max(1, k)
-        if k and gain >= MIN_GAIN:
+        if st.source == "ngram":  # shadow drafts keep its acceptance current: no trials needed
+            return k if gain >= self.min_gain else 0
+        if k and gain >= self.min_gain:
             st.backoff, st.probing = PROBE_AFTER, False
             return k
         if st.off_until and not st.probing:  # the off period is over: one trial with a short draft
@@ -237,3 +292,17 @@ class Speculator:
             st.backoff = min(st.backoff * 2, MAX_BACKOFF)
         st.probing, st.off_until = False, self._step + st.backoff
         return 0
+
+
+def _check_shadow(st: _State) -> None:
+    """Score a pending shadow draft against the tokens emitted since it was made, as a
+    verification of it would have: accepted while they match, rejected at the first
+    difference. Still pending while every emitted token matched and some are unchecked."""
+    new = st.ctx[st.shadow_at:]
+    d = st.shadow
+    n = 0
+    while n < len(new) and n < len(d) and new[n] == d[n]:
+        n += 1
+    if n == len(d) or n < len(new):
+        st.acc.learn(n, n < len(d))
+        st.shadow = []

@@ -94,7 +94,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
             convert_gguf(src, tmp, quant, head_quant, progress)
         else:
             writer = ConvertedWriter(tmp, quant, head_quant)
-            build_model(cfg, RecordingWeights(ckpt, quant, head_quant, writer, progress))
+            recorder = RecordingWeights(ckpt, quant, head_quant, writer, progress)
+            net = build_model(cfg, recorder)
+            from coli.speculate import mtp
+
+            if mtp.present(cfg, recorder):  # DeepSeek-V3 / GLM-4.5 MTP layers: kept for --speculative mtp
+                mtp.MTPLayer(cfg, recorder, net)
             for name in CARRIED_FILES:
                 if (src / name).exists():
                     shutil.copy2(src / name, tmp / name)
