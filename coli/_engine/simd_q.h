@@ -375,6 +375,107 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
             }                                                                                      \
     }
 
+#if defined(__F16C__)
+#define COLI_Q4GEMV256_OK 1
+/* The four row sums of a, b, c and d (four 8-lane accumulators) in one 128-bit vector. */
+static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* One token's chunk of up to 8 groups c0 .. c0 + cn for a Q4/Q4A GEMV on AVX2: the rows'
+ * weight scales times the token's activation scales as 8-lane vectors sc[j] (lane g: group
+ * c0 + g; lanes past cn are 0), and the group offsets added straight into the accumulators
+ * acc[j], whose lanes are only ever summed: Q4 adds d * dx * (-8 * sum(x)) per group, Q4A
+ * adds m * dx * sum(x). A short last chunk goes through zero-padded copies. */
+#define COLI_Q4GEMV256_CHUNK(NR, ASYM)                                                             \
+            __m256 sc[NR], dx, xo;                                                                 \
+            if (cn == 8) {                                                                         \
+                dx = _mm256_loadu_ps(a->qd + c0);                                                  \
+                xo = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->qs + c0)));        \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    sc[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + j * ldd + c0))); \
+                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + j * ldd + c0))) \
+                                 : _mm256_setzero_ps();                                            \
+                }                                                                                  \
+            } else {                                                                               \
+                float pd[8] = {0};                                                                 \
+                int32_t ps[8] = {0};                                                               \
+                uint16_t pw[8] = {0};                                                              \
+                memcpy(pd, a->qd + c0, cn * sizeof(float));                                        \
+                memcpy(ps, a->qs + c0, cn * sizeof(int32_t));                                      \
+                dx = _mm256_loadu_ps(pd);                                                          \
+                xo = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ps));                  \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    memcpy(pw, wd + j * ldd + c0, cn * sizeof(uint16_t));                          \
+                    sc[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pw));                 \
+                    if (ASYM) memcpy(pw, wm + j * ldd + c0, cn * sizeof(uint16_t));                \
+                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pw)) : _mm256_setzero_ps(); \
+                }                                                                                  \
+            }                                                                                      \
+            xo = ASYM ? _mm256_mul_ps(xo, dx) : _mm256_mul_ps(xo, _mm256_set1_ps(-8.0f));          \
+            for (int j = 0; j < NR; j++) {                                                         \
+                sc[j] = _mm256_mul_ps(sc[j], dx);                                                  \
+                acc[j] = _mm256_fmadd_ps(ASYM ? mn[j] : sc[j], xo, acc[j]);                        \
+            }
+
+/* Q4/Q4A GEMV on AVX2 (one token, NR rows): the layout of COLI_Q4TILE256 (two groups per
+ * 32-byte load, one per 128-bit lane; the activations brought to that order by two lane
+ * permutes shared by the rows), with the scales handled 8 groups at a time: one f16
+ * conversion per row and chunk gives the rows' scales times the token's (sc), and each
+ * step picks its two groups' lanes out of them with one permute instead of converting and
+ * broadcasting scalars; the offset of 8 (or the mins) leaves the integer loop (see
+ * COLI_Q4GEMV256_CHUNK). The NR row sums reduce together; an odd last group goes through
+ * the one-group tile. */
+#define COLI_Q4GEMV256(NAME, NR, ASYM)                                                             \
+    static inline void NAME##_1x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                     long ldw, long ldd, int nb, float *Y, long ldy) {              \
+        __m256 acc[NR], mn[NR];                                                                    \
+        for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
+        const int ne = nb & ~1;                                                                    \
+        for (int c0 = 0; c0 < ne; c0 += 8) {                                                       \
+            const int cn = ne - c0 < 8 ? ne - c0 : 8;                                              \
+            COLI_Q4GEMV256_CHUNK(NR, ASYM)                                                         \
+            for (int s = 0; s < cn; s += 2) {                                                      \
+                const int b = c0 + s;                                                              \
+                const __m256i pick = _mm256_set_epi32(s + 1, s + 1, s + 1, s + 1, s, s, s, s);     \
+                const int8_t *xp = a->q + b * 32;                                                  \
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                              \
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));                       \
+                __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);                             \
+                __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);                             \
+                for (int j = 0; j < NR; j++)                                                       \
+                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);       \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 16));    \
+                    __m256i d = coli_dot2_u4s8(_mm256_and_si256(raw, m4), xlo,                     \
+                                               _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), xhi); \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sc[j], pick), acc[j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        float sums[4];                                                                             \
+        __m256 z = _mm256_setzero_ps();                                                            \
+        _mm_storeu_ps(sums, coli_hsum4_256(acc[0], NR > 1 ? acc[NR > 1 ? 1 : 0] : z,               \
+                                           NR > 2 ? acc[NR > 2 ? 2 : 0] : z, NR > 3 ? acc[NR > 3 ? 3 : 0] : z)); \
+        for (int j = 0; j < NR; j++) {                                                             \
+            float s = sums[j];                                                                     \
+            if (ne < nb) {                                                                         \
+                coli_act one = *a;                                                                 \
+                one.q += ne * 32;                                                                  \
+                one.qd += ne;                                                                      \
+                one.qs += ne;                                                                      \
+                float t;                                                                           \
+                NAME##_tail(&one, wq + j * ldw + ne * 16, wd + j * ldd + ne, wm ? wm + j * ldd + ne : NULL, ldw, ldd, nb - ne, &t, 1); \
+                s += t;                                                                            \
+            }                                                                                      \
+            Y[j] = s;                                                                              \
+        }                                                                                          \
+        (void)ldy;                                                                                 \
+    }
+#endif
+
 /* MR tokens x NR rows of a quantized GEMM; IS4: 0 Q8, 1 Q4, 2 Q4A (asymmetric: its mins
  * times the groups' activation sums added as floats, in ca). */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
@@ -447,8 +548,17 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
 #elif defined(__AVX2__)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
 #define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
+#if defined(COLI_Q4GEMV256_OK) /* one token: COLI_Q4GEMV256; more: COLI_Q4TILE256 */
+#define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 0)
+#define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 1)
+#define COLI_Q4TILE256_1(NAME, NR, ASYM) COLI_Q4GEMV256(NAME, NR, ASYM)
+#define COLI_Q4TILE256_2(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 2, NR, ASYM)
+#define COLI_Q4TILE256_3(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 3, NR, ASYM)
+#define COLI_Q4TILE256_4(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 4, NR, ASYM)
+#else
 #define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 0)
 #define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 1)
+#endif
 #else
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
 #endif
