@@ -606,6 +606,152 @@ COLI_QTILES(coli_q8tile, 0)
 COLI_QTILES(coli_q4tile, 1)
 COLI_QTILES(coli_q4atile, 2)
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(COLI_Q512)
+#define COLI_Q4GEMM8_OK 1
+#define COLI_Q4GEMM8_KC 16  /* groups of a K chunk */
+#define COLI_Q4GEMM8_TB 4   /* blocks of 8 tokens whose activations one chunk holds: 16 KB */
+#define COLI_Q4GEMM8_NR 64  /* rows whose accumulators stay in one stack block */
+#ifndef COLI_Q4GEMM8_MIN
+#define COLI_Q4GEMM8_MIN 6  /* fewer tokens: the 4 x 4 tiles (or the GEMV tile for one) */
+#endif
+
+/* The activations of 8 tokens (q rows t0 .. t0 + 7; rows past nt are zeros) for groups
+ * c0 .. c0 + cn, interleaved by 4-byte pieces: xb[(g * 8 + k) * 32 + 4 * t ..] holds token
+ * t's elements 4k .. 4k + 3 of group c0 + g, so one 32-byte load gives the same 4 elements
+ * of all 8 tokens (an 8 x 8 transpose of dwords per group). dx[g * 8 + t]: the token's
+ * group scale; xo[g * 8 + t]: 8 * its group sum (Q4's offset, as int32) or scale * sum
+ * (Q4A's mins, as float). */
+static inline void coli_q4gemm8_acts(const coli_act *a, int t0, int nt, int c0, int cn, int asym, int8_t *xb,
+                                     float *dx, int32_t *xo) {
+    for (int g = 0; g < cn; g++) {
+        __m256i r[8];
+        for (int t = 0; t < 8; t++) {
+            const int8_t *src = a->q + (long)(t0 + t) * a->ldq + (long)(c0 + g) * 32;
+            r[t] = t < nt ? _mm256_loadu_si256((const __m256i *)src) : _mm256_setzero_si256();
+            float d = t < nt ? a->qd[(long)(t0 + t) * a->ldb + c0 + g] : 0.0f;
+            int32_t sum = t < nt ? a->qs[(long)(t0 + t) * a->ldb + c0 + g] : 0;
+            dx[g * 8 + t] = d;
+            if (asym) {
+                float f = d * (float)sum;
+                memcpy(xo + g * 8 + t, &f, 4);
+            } else {
+                xo[g * 8 + t] = 8 * sum;
+            }
+        }
+        __m256i t0_ = _mm256_unpacklo_epi32(r[0], r[1]), t1_ = _mm256_unpackhi_epi32(r[0], r[1]);
+        __m256i t2_ = _mm256_unpacklo_epi32(r[2], r[3]), t3_ = _mm256_unpackhi_epi32(r[2], r[3]);
+        __m256i t4_ = _mm256_unpacklo_epi32(r[4], r[5]), t5_ = _mm256_unpackhi_epi32(r[4], r[5]);
+        __m256i t6_ = _mm256_unpacklo_epi32(r[6], r[7]), t7_ = _mm256_unpackhi_epi32(r[6], r[7]);
+        /* u[k]: dwords k and k + 4 of tokens 0-3 / 4-7 */
+        __m256i u0 = _mm256_unpacklo_epi64(t0_, t2_), u1 = _mm256_unpackhi_epi64(t0_, t2_);
+        __m256i u2 = _mm256_unpacklo_epi64(t1_, t3_), u3 = _mm256_unpackhi_epi64(t1_, t3_);
+        __m256i u4 = _mm256_unpacklo_epi64(t4_, t6_), u5 = _mm256_unpackhi_epi64(t4_, t6_);
+        __m256i u6 = _mm256_unpacklo_epi64(t5_, t7_), u7 = _mm256_unpackhi_epi64(t5_, t7_);
+        __m256i *o = (__m256i *)(xb + g * 256);
+        _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+        _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+        _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+        _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+        _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+        _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+        _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+        _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+    }
+}
+
+/* 4 rows x 8 tokens over cn groups: acc[r] (lane t: token t) += the rows' group dots with
+ * the token block's interleaved activations xb (coli_q4gemm8_acts), times the scales. wb:
+ * the 4 rows' unpacked nibbles (row r, group g at wb + (r * KC + g) * 32, element order),
+ * ws / wmn: their scales / mins as floats (row r, group g at [r * KC + g]). */
+static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const int32_t *xob, int cn, int asym,
+                                    const uint8_t *wb, const float *ws, const float *wmn, __m256 acc[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < cn; g++) {
+        const __m256i *xg = (const __m256i *)(xb + g * 256);
+        __m256 dx = _mm256_load_ps(dxb + g * 8);
+        __m256i xo = _mm256_load_si256((const __m256i *)(xob + g * 8));
+        for (int r = 0; r < 4; r++) {
+            const int32_t *wp = (const int32_t *)(wb + (r * COLI_Q4GEMM8_KC + g) * 32);
+            /* two int16 chains of 4 maddubs: at most 8 products of 15 x 127 per lane each */
+            __m256i s0 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[0]), _mm256_load_si256(xg + 0));
+            __m256i s1 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[1]), _mm256_load_si256(xg + 1));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[2]), _mm256_load_si256(xg + 2)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[3]), _mm256_load_si256(xg + 3)));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[4]), _mm256_load_si256(xg + 4)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[5]), _mm256_load_si256(xg + 5)));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[6]), _mm256_load_si256(xg + 6)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[7]), _mm256_load_si256(xg + 7)));
+            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+            if (!asym) d = _mm256_sub_epi32(d, xo);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dx);
+            acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(ws + r * COLI_Q4GEMM8_KC + g), acc[r]);
+            if (asym)
+                acc[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(xo), _mm256_broadcast_ss(wmn + r * COLI_Q4GEMM8_KC + g),
+                                         acc[r]);
+        }
+    }
+}
+
+/* Q4/Q4A GEMM on AVX2 for several tokens: Y[m, r] = act row m . W row r for m < M, r < N.
+ * The tokens go 8 at a time, one per 32-bit lane: their activations interleaved by
+ * coli_q4gemm8_acts (up to COLI_Q4GEMM8_TB blocks per K chunk), 4 rows' groups unpacked
+ * once per chunk (16 bytes into 32 nibble bytes, in element order) for all those token
+ * blocks, and each 4-byte piece of a row broadcast against the 8 tokens' same 4 elements,
+ * so maddubs, int16 adds and one madd give a group's dot product for 8 tokens with no
+ * horizontal sums; a scale per token and one per row then make it float. */
+static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                                long ldw, long ldd, int nb, int N, float *Y, long ldy) {
+    enum { KC = COLI_Q4GEMM8_KC, TB = COLI_Q4GEMM8_TB, NR = COLI_Q4GEMM8_NR };
+    _Alignas(64) int8_t xb[TB][KC * 256];
+    _Alignas(64) float dxb[TB][KC * 8];
+    _Alignas(64) int32_t xob[TB][KC * 8];
+    _Alignas(64) float accb[NR / 4][TB][4 * 8];
+    _Alignas(64) uint8_t wb[4 * KC * 32];
+    _Alignas(64) float ws[4 * KC], wmn[4 * KC];
+    const int asym = wm != NULL;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int n0 = 0; n0 < N; n0 += NR) {
+        int nr = N - n0 < NR ? N - n0 : NR;
+        for (int T0 = 0; T0 < M; T0 += 8 * TB) {
+            int ntb = (M - T0 + 7) / 8 < TB ? (M - T0 + 7) / 8 : TB;
+            for (int c0 = 0; c0 < nb; c0 += KC) {
+                int cn = nb - c0 < KC ? nb - c0 : KC;
+                for (int tb = 0; tb < ntb; tb++) {
+                    int t0 = T0 + 8 * tb, nt = M - t0 < 8 ? M - t0 : 8;
+                    coli_q4gemm8_acts(a, t0, nt, c0, cn, asym, xb[tb], dxb[tb], xob[tb]);
+                }
+                for (int r0 = 0; r0 < nr; r0 += 4) {
+                    for (int r = 0; r < 4; r++) { /* rows past nr repeat the last one; dropped below */
+                        long row = n0 + (r0 + r < nr ? r0 + r : nr - 1);
+                        const uint8_t *wr = wq + row * ldw + (long)c0 * 16;
+                        for (int g = 0; g < cn; g++) {
+                            __m128i raw = _mm_loadu_si128((const __m128i *)(wr + g * 16));
+                            _mm_store_si128((__m128i *)(wb + (r * KC + g) * 32), _mm_and_si128(raw, m4));
+                            _mm_store_si128((__m128i *)(wb + (r * KC + g) * 32 + 16),
+                                            _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+                            ws[r * KC + g] = coli_f16_to_f32(wd[row * ldd + c0 + g]);
+                            wmn[r * KC + g] = asym ? coli_f16_to_f32(wm[row * ldd + c0 + g]) : 0.0f;
+                        }
+                    }
+                    for (int tb = 0; tb < ntb; tb++) {
+                        float *ab = accb[r0 / 4][tb];
+                        __m256 acc[4];
+                        for (int r = 0; r < 4; r++) acc[r] = c0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ab + r * 8);
+                        coli_q4gemm8_4x8(xb[tb], dxb[tb], xob[tb], cn, asym, wb, ws, wmn, acc);
+                        for (int r = 0; r < 4; r++) _mm256_store_ps(ab + r * 8, acc[r]);
+                    }
+                }
+            }
+            for (int tb = 0; tb < ntb; tb++) {
+                int t0 = T0 + 8 * tb, nt = M - t0 < 8 ? M - t0 : 8;
+                for (int t = 0; t < nt; t++)
+                    for (int r = 0; r < nr; r++) Y[(long)(t0 + t) * ldy + n0 + r] = accb[r / 4][tb][(r % 4) * 8 + t];
+            }
+        }
+    }
+}
+#endif
+
 /* ---- bf16 weights ----------------------------------------------------------------------
  * bf16 is the top half of an f32, so widening is a zero-extend and a shift: no AVX512-BF16
  * needed. Few tokens (decode): the f32 4 x 4 dot-product tiles with the weight vectors
@@ -766,6 +912,12 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
         int ngroups = (K + QK - 1) / QK;
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
         const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
+#if defined(COLI_Q4GEMM8_OK)
+        if (M >= COLI_Q4GEMM8_MIN && (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
+            coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy);
+            return;
+        }
+#endif
         for (int n = 0; n < nb; n += 4) {
             int nr = nb - n < 4 ? nb - n : 4;
             for (int m = 0; m < M; m += 4) {
