@@ -387,7 +387,7 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
  * weight scales times the token's activation scales as 8-lane vectors sc[j] (lane g: group
  * c0 + g; lanes past cn are 0), and the group offsets added straight into the accumulators
  * acc[j], whose lanes are only ever summed: Q4 adds d * dx * (-8 * sum(x)) per group, Q4A
- * adds m * dx * sum(x). A short last chunk goes through zero-padded copies. */
+ * adds m * dx * sum(x). A short last chunk is read with masked loads (its lanes past cn are 0). */
 #define COLI_Q4GEMV256_CHUNK(NR, ASYM)                                                             \
             __m256 sc[NR], dx, xo;                                                                 \
             if (cn == 8) {                                                                         \
@@ -399,18 +399,15 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
                                  : _mm256_setzero_ps();                                            \
                 }                                                                                  \
             } else {                                                                               \
-                float pd[8] = {0};                                                                 \
-                int32_t ps[8] = {0};                                                               \
-                uint16_t pw[8] = {0};                                                              \
-                memcpy(pd, a->qd + c0, cn * sizeof(float));                                        \
-                memcpy(ps, a->qs + c0, cn * sizeof(int32_t));                                      \
-                dx = _mm256_loadu_ps(pd);                                                          \
-                xo = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ps));                  \
+                /* cn is even: the f16 scales of the chunk are cn / 2 whole dwords */             \
+                const __m256i m8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); \
+                const __m128i m2 = _mm_cmpgt_epi32(_mm_set1_epi32(cn / 2), _mm_setr_epi32(0, 1, 2, 3)); \
+                dx = _mm256_maskload_ps(a->qd + c0, m8);                                           \
+                xo = _mm256_cvtepi32_ps(_mm256_maskload_epi32((const int *)(a->qs + c0), m8));     \
                 for (int j = 0; j < NR; j++) {                                                     \
-                    memcpy(pw, wd + j * ldd + c0, cn * sizeof(uint16_t));                          \
-                    sc[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pw));                 \
-                    if (ASYM) memcpy(pw, wm + j * ldd + c0, cn * sizeof(uint16_t));                \
-                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pw)) : _mm256_setzero_ps(); \
+                    sc[j] = _mm256_cvtph_ps(_mm_maskload_epi32((const int *)(wd + j * ldd + c0), m2)); \
+                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_maskload_epi32((const int *)(wm + j * ldd + c0), m2)) \
+                                 : _mm256_setzero_ps();                                            \
                 }                                                                                  \
             }                                                                                      \
             xo = ASYM ? _mm256_mul_ps(xo, dx) : _mm256_mul_ps(xo, _mm256_set1_ps(-8.0f));          \
@@ -548,13 +545,25 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 #elif defined(__AVX2__)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
 #define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
-#if defined(COLI_Q4GEMV256_OK) /* one token: COLI_Q4GEMV256; more: COLI_Q4TILE256 */
+#if defined(COLI_Q4GEMV256_OK) /* COLI_Q4GEMV256 per token (and coli_q4gemm8 from 6 tokens) */
 #define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 0)
 #define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 1)
 #define COLI_Q4TILE256_1(NAME, NR, ASYM) COLI_Q4GEMV256(NAME, NR, ASYM)
-#define COLI_Q4TILE256_2(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 2, NR, ASYM)
-#define COLI_Q4TILE256_3(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 3, NR, ASYM)
-#define COLI_Q4TILE256_4(NAME, NR, ASYM) COLI_Q4TILE256(NAME, 4, NR, ASYM)
+/* 2-4 tokens (below the GEMM's threshold): the GEMV tile once per token, the tile's rows
+ * then in L1 for the next token (as fast as a shared-unpack tile whose MR x NR accumulators
+ * spill out of AVX2's 16 registers, and faster at 2-3 tokens). */
+#define COLI_Q4TILE256_MR(NAME, MR, NR)                                                           \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        for (int i = 0; i < MR; i++) {                                                             \
+            coli_act one = *a;                                                                     \
+            one.q += i * a->ldq, one.qd += i * a->ldb, one.qs += i * a->ldb;                       \
+            NAME##_1x##NR(&one, wq, wd, wm, ldw, ldd, nb, Y + i * ldy, ldy);                        \
+        }                                                                                          \
+    }
+#define COLI_Q4TILE256_2(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 2, NR)
+#define COLI_Q4TILE256_3(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 3, NR)
+#define COLI_Q4TILE256_4(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 4, NR)
 #else
 #define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 0)
 #define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 1)
