@@ -378,6 +378,104 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
             }                                                                                      \
     }
 
+#if defined(__F16C__)
+#define COLI_Q4GEMV256_OK 1
+/* The four row sums of a, b, c and d (four 8-lane accumulators) in one 128-bit vector. */
+static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* One token's chunk of up to 8 groups c0 .. c0 + cn for a Q4/Q4A GEMV on AVX2: the rows'
+ * weight scales times the token's activation scales as 8-lane vectors sc[j] (lane g: group
+ * c0 + g; lanes past cn are 0), and the group offsets added straight into the accumulators
+ * acc[j], whose lanes are only ever summed: Q4 adds d * dx * (-8 * sum(x)) per group, Q4A
+ * adds m * dx * sum(x). A short last chunk is read with masked loads (its lanes past cn are 0). */
+#define COLI_Q4GEMV256_CHUNK(NR, ASYM)                                                             \
+            __m256 sc[NR], dx, xo;                                                                 \
+            if (cn == 8) {                                                                         \
+                dx = _mm256_loadu_ps(a->qd + c0);                                                  \
+                xo = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->qs + c0)));        \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    sc[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + j * ldd + c0))); \
+                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + j * ldd + c0))) \
+                                 : _mm256_setzero_ps();                                            \
+                }                                                                                  \
+            } else {                                                                               \
+                /* cn is even: the f16 scales of the chunk are cn / 2 whole dwords */             \
+                const __m256i m8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); \
+                const __m128i m2 = _mm_cmpgt_epi32(_mm_set1_epi32(cn / 2), _mm_setr_epi32(0, 1, 2, 3)); \
+                dx = _mm256_maskload_ps(a->qd + c0, m8);                                           \
+                xo = _mm256_cvtepi32_ps(_mm256_maskload_epi32((const int *)(a->qs + c0), m8));     \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    sc[j] = _mm256_cvtph_ps(_mm_maskload_epi32((const int *)(wd + j * ldd + c0), m2)); \
+                    mn[j] = ASYM ? _mm256_cvtph_ps(_mm_maskload_epi32((const int *)(wm + j * ldd + c0), m2)) \
+                                 : _mm256_setzero_ps();                                            \
+                }                                                                                  \
+            }                                                                                      \
+            xo = ASYM ? _mm256_mul_ps(xo, dx) : _mm256_mul_ps(xo, _mm256_set1_ps(-8.0f));          \
+            for (int j = 0; j < NR; j++) {                                                         \
+                sc[j] = _mm256_mul_ps(sc[j], dx);                                                  \
+                acc[j] = _mm256_fmadd_ps(ASYM ? mn[j] : sc[j], xo, acc[j]);                        \
+            }
+
+/* Q4/Q4A GEMV on AVX2 (one token, NR rows): the layout of COLI_Q4TILE256 (two groups per
+ * 32-byte load, one per 128-bit lane; the activations brought to that order by two lane
+ * permutes shared by the rows), with the scales handled 8 groups at a time: one f16
+ * conversion per row and chunk gives the rows' scales times the token's (sc), and each
+ * step picks its two groups' lanes out of them with one permute instead of converting and
+ * broadcasting scalars; the offset of 8 (or the mins) leaves the integer loop (see
+ * COLI_Q4GEMV256_CHUNK). The NR row sums reduce together; an odd last group goes through
+ * the one-group tile. */
+#define COLI_Q4GEMV256(NAME, NR, ASYM)                                                             \
+    static inline void NAME##_1x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                     long ldw, long ldd, int nb, float *Y, long ldy) {              \
+        __m256 acc[NR], mn[NR];                                                                    \
+        for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
+        const int ne = nb & ~1;                                                                    \
+        for (int c0 = 0; c0 < ne; c0 += 8) {                                                       \
+            const int cn = ne - c0 < 8 ? ne - c0 : 8;                                              \
+            COLI_Q4GEMV256_CHUNK(NR, ASYM)                                                         \
+            for (int s = 0; s < cn; s += 2) {                                                      \
+                const int b = c0 + s;                                                              \
+                const __m256i pick = _mm256_set_epi32(s + 1, s + 1, s + 1, s + 1, s, s, s, s);     \
+                const int8_t *xp = a->q + b * 32;                                                  \
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                              \
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));                       \
+                __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);                             \
+                __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);                             \
+                for (int j = 0; j < NR; j++)                                                       \
+                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);       \
+                for (int j = 0; j < NR; j++) {                                                     \
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 16));    \
+                    __m256i d = coli_dot2_u4s8(_mm256_and_si256(raw, m4), xlo,                     \
+                                               _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), xhi); \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sc[j], pick), acc[j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        float sums[4];                                                                             \
+        __m256 z = _mm256_setzero_ps();                                                            \
+        _mm_storeu_ps(sums, coli_hsum4_256(acc[0], NR > 1 ? acc[NR > 1 ? 1 : 0] : z,               \
+                                           NR > 2 ? acc[NR > 2 ? 2 : 0] : z, NR > 3 ? acc[NR > 3 ? 3 : 0] : z)); \
+        for (int j = 0; j < NR; j++) {                                                             \
+            float s = sums[j];                                                                     \
+            if (ne < nb) {                                                                         \
+                coli_act one = *a;                                                                 \
+                one.q += ne * 32;                                                                  \
+                one.qd += ne;                                                                      \
+                one.qs += ne;                                                                      \
+                float t;                                                                           \
+                NAME##_tail(&one, wq + j * ldw + ne * 16, wd + j * ldd + ne, wm ? wm + j * ldd + ne : NULL, ldw, ldd, nb - ne, &t, 1); \
+                s += t;                                                                            \
+            }                                                                                      \
+            Y[j] = s;                                                                              \
+        }                                                                                          \
+        (void)ldy;                                                                                 \
+    }
+#endif
+
 /* MR tokens x NR rows of a quantized GEMM; IS4: 0 Q8, 1 Q4, 2 Q4A (asymmetric: its mins
  * times the groups' activation sums added as floats, in ca). */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
@@ -452,8 +550,29 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
 #elif defined(__AVX2__)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
 #define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
+#if defined(COLI_Q4GEMV256_OK) /* COLI_Q4GEMV256 per token (and coli_q4gemm8 from 6 tokens) */
+#define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 0)
+#define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 1)
+#define COLI_Q4TILE256_1(NAME, NR, ASYM) COLI_Q4GEMV256(NAME, NR, ASYM)
+/* 2-4 tokens (below the GEMM's threshold): the GEMV tile once per token, the tile's rows
+ * then in L1 for the next token (as fast as a shared-unpack tile whose MR x NR accumulators
+ * spill out of AVX2's 16 registers, and faster at 2-3 tokens). */
+#define COLI_Q4TILE256_MR(NAME, MR, NR)                                                           \
+    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
+        for (int i = 0; i < MR; i++) {                                                             \
+            coli_act one = *a;                                                                     \
+            one.q += i * a->ldq, one.qd += i * a->ldb, one.qs += i * a->ldb;                       \
+            NAME##_1x##NR(&one, wq, wd, wm, ldw, ldd, nb, Y + i * ldy, ldy);                        \
+        }                                                                                          \
+    }
+#define COLI_Q4TILE256_2(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 2, NR)
+#define COLI_Q4TILE256_3(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 3, NR)
+#define COLI_Q4TILE256_4(NAME, NR, ASYM) COLI_Q4TILE256_MR(NAME, 4, NR)
+#else
 #define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 0)
 #define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256(NAME, MR, NR, 1)
+#endif
 #else
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE(NAME, IS4, MR, NR)
 #endif
@@ -500,6 +619,152 @@ static inline __m256i coli_dot2_u4s8(__m256i u1, __m256i s1, __m256i u2, __m256i
 COLI_QTILES(coli_q8tile, 0)
 COLI_QTILES(coli_q4tile, 1)
 COLI_QTILES(coli_q4atile, 2)
+
+#if defined(__AVX2__) && defined(__F16C__) && !defined(COLI_Q512)
+#define COLI_Q4GEMM8_OK 1
+#define COLI_Q4GEMM8_KC 16  /* groups of a K chunk */
+#define COLI_Q4GEMM8_TB 4   /* blocks of 8 tokens whose activations one chunk holds: 16 KB */
+#define COLI_Q4GEMM8_NR 64  /* rows whose accumulators stay in one stack block */
+#ifndef COLI_Q4GEMM8_MIN
+#define COLI_Q4GEMM8_MIN 6  /* fewer tokens: the 4 x 4 tiles (or the GEMV tile for one) */
+#endif
+
+/* The activations of 8 tokens (q rows t0 .. t0 + 7; rows past nt are zeros) for groups
+ * c0 .. c0 + cn, interleaved by 4-byte pieces: xb[(g * 8 + k) * 32 + 4 * t ..] holds token
+ * t's elements 4k .. 4k + 3 of group c0 + g, so one 32-byte load gives the same 4 elements
+ * of all 8 tokens (an 8 x 8 transpose of dwords per group). dx[g * 8 + t]: the token's
+ * group scale; xo[g * 8 + t]: 8 * its group sum (Q4's offset, as int32) or scale * sum
+ * (Q4A's mins, as float). */
+static inline void coli_q4gemm8_acts(const coli_act *a, int t0, int nt, int c0, int cn, int asym, int8_t *xb,
+                                     float *dx, int32_t *xo) {
+    for (int g = 0; g < cn; g++) {
+        __m256i r[8];
+        for (int t = 0; t < 8; t++) {
+            const int8_t *src = a->q + (long)(t0 + t) * a->ldq + (long)(c0 + g) * 32;
+            r[t] = t < nt ? _mm256_loadu_si256((const __m256i *)src) : _mm256_setzero_si256();
+            float d = t < nt ? a->qd[(long)(t0 + t) * a->ldb + c0 + g] : 0.0f;
+            int32_t sum = t < nt ? a->qs[(long)(t0 + t) * a->ldb + c0 + g] : 0;
+            dx[g * 8 + t] = d;
+            if (asym) {
+                float f = d * (float)sum;
+                memcpy(xo + g * 8 + t, &f, 4);
+            } else {
+                xo[g * 8 + t] = 8 * sum;
+            }
+        }
+        __m256i t0_ = _mm256_unpacklo_epi32(r[0], r[1]), t1_ = _mm256_unpackhi_epi32(r[0], r[1]);
+        __m256i t2_ = _mm256_unpacklo_epi32(r[2], r[3]), t3_ = _mm256_unpackhi_epi32(r[2], r[3]);
+        __m256i t4_ = _mm256_unpacklo_epi32(r[4], r[5]), t5_ = _mm256_unpackhi_epi32(r[4], r[5]);
+        __m256i t6_ = _mm256_unpacklo_epi32(r[6], r[7]), t7_ = _mm256_unpackhi_epi32(r[6], r[7]);
+        /* u[k]: dwords k and k + 4 of tokens 0-3 / 4-7 */
+        __m256i u0 = _mm256_unpacklo_epi64(t0_, t2_), u1 = _mm256_unpackhi_epi64(t0_, t2_);
+        __m256i u2 = _mm256_unpacklo_epi64(t1_, t3_), u3 = _mm256_unpackhi_epi64(t1_, t3_);
+        __m256i u4 = _mm256_unpacklo_epi64(t4_, t6_), u5 = _mm256_unpackhi_epi64(t4_, t6_);
+        __m256i u6 = _mm256_unpacklo_epi64(t5_, t7_), u7 = _mm256_unpackhi_epi64(t5_, t7_);
+        __m256i *o = (__m256i *)(xb + g * 256);
+        _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+        _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+        _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+        _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+        _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+        _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+        _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+        _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+    }
+}
+
+/* 4 rows x 8 tokens over cn groups: acc[r] (lane t: token t) += the rows' group dots with
+ * the token block's interleaved activations xb (coli_q4gemm8_acts), times the scales. wb:
+ * the 4 rows' unpacked nibbles (row r, group g at wb + (r * KC + g) * 32, element order),
+ * ws / wmn: their scales / mins as floats (row r, group g at [r * KC + g]). */
+static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const int32_t *xob, int cn, int asym,
+                                    const uint8_t *wb, const float *ws, const float *wmn, __m256 acc[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < cn; g++) {
+        const __m256i *xg = (const __m256i *)(xb + g * 256);
+        __m256 dx = _mm256_load_ps(dxb + g * 8);
+        __m256i xo = _mm256_load_si256((const __m256i *)(xob + g * 8));
+        for (int r = 0; r < 4; r++) {
+            const int32_t *wp = (const int32_t *)(wb + (r * COLI_Q4GEMM8_KC + g) * 32);
+            /* two int16 chains of 4 maddubs: at most 8 products of 15 x 127 per lane each */
+            __m256i s0 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[0]), _mm256_load_si256(xg + 0));
+            __m256i s1 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[1]), _mm256_load_si256(xg + 1));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[2]), _mm256_load_si256(xg + 2)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[3]), _mm256_load_si256(xg + 3)));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[4]), _mm256_load_si256(xg + 4)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[5]), _mm256_load_si256(xg + 5)));
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[6]), _mm256_load_si256(xg + 6)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[7]), _mm256_load_si256(xg + 7)));
+            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+            if (!asym) d = _mm256_sub_epi32(d, xo);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dx);
+            acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(ws + r * COLI_Q4GEMM8_KC + g), acc[r]);
+            if (asym)
+                acc[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(xo), _mm256_broadcast_ss(wmn + r * COLI_Q4GEMM8_KC + g),
+                                         acc[r]);
+        }
+    }
+}
+
+/* Q4/Q4A GEMM on AVX2 for several tokens: Y[m, r] = act row m . W row r for m < M, r < N.
+ * The tokens go 8 at a time, one per 32-bit lane: their activations interleaved by
+ * coli_q4gemm8_acts (up to COLI_Q4GEMM8_TB blocks per K chunk), 4 rows' groups unpacked
+ * once per chunk (16 bytes into 32 nibble bytes, in element order) for all those token
+ * blocks, and each 4-byte piece of a row broadcast against the 8 tokens' same 4 elements,
+ * so maddubs, int16 adds and one madd give a group's dot product for 8 tokens with no
+ * horizontal sums; a scale per token and one per row then make it float. */
+static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                                long ldw, long ldd, int nb, int N, float *Y, long ldy) {
+    enum { KC = COLI_Q4GEMM8_KC, TB = COLI_Q4GEMM8_TB, NR = COLI_Q4GEMM8_NR };
+    _Alignas(64) int8_t xb[TB][KC * 256];
+    _Alignas(64) float dxb[TB][KC * 8];
+    _Alignas(64) int32_t xob[TB][KC * 8];
+    _Alignas(64) float accb[NR / 4][TB][4 * 8];
+    _Alignas(64) uint8_t wb[4 * KC * 32];
+    _Alignas(64) float ws[4 * KC], wmn[4 * KC];
+    const int asym = wm != NULL;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int n0 = 0; n0 < N; n0 += NR) {
+        int nr = N - n0 < NR ? N - n0 : NR;
+        for (int T0 = 0; T0 < M; T0 += 8 * TB) {
+            int ntb = (M - T0 + 7) / 8 < TB ? (M - T0 + 7) / 8 : TB;
+            for (int c0 = 0; c0 < nb; c0 += KC) {
+                int cn = nb - c0 < KC ? nb - c0 : KC;
+                for (int tb = 0; tb < ntb; tb++) {
+                    int t0 = T0 + 8 * tb, nt = M - t0 < 8 ? M - t0 : 8;
+                    coli_q4gemm8_acts(a, t0, nt, c0, cn, asym, xb[tb], dxb[tb], xob[tb]);
+                }
+                for (int r0 = 0; r0 < nr; r0 += 4) {
+                    for (int r = 0; r < 4; r++) { /* rows past nr repeat the last one; dropped below */
+                        long row = n0 + (r0 + r < nr ? r0 + r : nr - 1);
+                        const uint8_t *wr = wq + row * ldw + (long)c0 * 16;
+                        for (int g = 0; g < cn; g++) {
+                            __m128i raw = _mm_loadu_si128((const __m128i *)(wr + g * 16));
+                            _mm_store_si128((__m128i *)(wb + (r * KC + g) * 32), _mm_and_si128(raw, m4));
+                            _mm_store_si128((__m128i *)(wb + (r * KC + g) * 32 + 16),
+                                            _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+                            ws[r * KC + g] = coli_f16_to_f32(wd[row * ldd + c0 + g]);
+                            wmn[r * KC + g] = asym ? coli_f16_to_f32(wm[row * ldd + c0 + g]) : 0.0f;
+                        }
+                    }
+                    for (int tb = 0; tb < ntb; tb++) {
+                        float *ab = accb[r0 / 4][tb];
+                        __m256 acc[4];
+                        for (int r = 0; r < 4; r++) acc[r] = c0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ab + r * 8);
+                        coli_q4gemm8_4x8(xb[tb], dxb[tb], xob[tb], cn, asym, wb, ws, wmn, acc);
+                        for (int r = 0; r < 4; r++) _mm256_store_ps(ab + r * 8, acc[r]);
+                    }
+                }
+            }
+            for (int tb = 0; tb < ntb; tb++) {
+                int t0 = T0 + 8 * tb, nt = M - t0 < 8 ? M - t0 : 8;
+                for (int t = 0; t < nt; t++)
+                    for (int r = 0; r < nr; r++) Y[(long)(t0 + t) * ldy + n0 + r] = accb[r / 4][tb][(r % 4) * 8 + t];
+            }
+        }
+    }
+}
+#endif
 
 /* ---- bf16 weights ----------------------------------------------------------------------
  * bf16 is the top half of an f32, so widening is a zero-extend and a shift: no AVX512-BF16
@@ -663,6 +928,12 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
         int ngroups = (K + QK - 1) / QK;
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
         const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
+#if defined(COLI_Q4GEMM8_OK)
+        if (M >= COLI_Q4GEMM8_MIN && (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
+            coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy);
+            return;
+        }
+#endif
         for (int n = 0; n < nb; n += 4) {
             int nr = nb - n < 4 ? nb - n : 4;
             for (int m = 0; m < M; m += 4) {
