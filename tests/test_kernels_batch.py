@@ -101,3 +101,33 @@ def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
         K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
                       K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
         np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_calls_too_large_to_arrange_take_the_plain_tiles(fmt):
+    """Past the arranged-activation budget (long prefill chunks) a call falls back to the
+    plain tiles: the same results within float rounding, and both match the twin."""
+    x, w = rand(12, 320), rand(10, 320, scale=0.2)
+    m = quantize(w, fmt)
+    arranged = _qlinear(x, m)
+    K.set_xe_max_bytes(0)
+    try:
+        plain = _qlinear(x, m)
+        E, H, I = 3, 96, 64
+        table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+        for e in range(E):
+            table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+                      quantize(rand(H, I, scale=0.2), fmt))
+        xm, idx, wm = rand(5, H), np.tile(np.array([[1, 2]], np.int32), (5, 1)), rand(5, 2, scale=0.5)
+        outs = []
+        for budget in (0, 16 << 20):
+            K.set_xe_max_bytes(budget)
+            out = np.empty((5, H), np.float32)
+            K.moe_experts(xm, idx, wm, table, out, K.MoEScratch(5, 2, E, H, I), np.zeros(E, np.int64), 0)
+            outs.append(out)
+    finally:
+        K.set_xe_max_bytes(16 << 20)
+    ref = reference_qlinear(x, m)
+    np.testing.assert_allclose(plain, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(arranged, plain, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)

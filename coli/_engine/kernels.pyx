@@ -118,6 +118,15 @@ def set_panel_min_rows(int rows):
 
 cdef char *_xe_raw = NULL   # the multi-token quantized tiles' arranged activations, grown as needed
 cdef size_t _xe_cap = 0
+cdef long XE_MAX_BYTES = 16 << 20  # calls whose arranged activations would take more (long prefill
+                                   # chunks) use the plain tiles, so the scratch stays small
+
+
+def set_xe_max_bytes(long n):
+    """Tune the largest arranged-activation scratch a multi-token quantized call may use
+    (0: never arrange; every call then takes the plain tiles)."""
+    global XE_MAX_BYTES
+    XE_MAX_BYTES = n
 
 
 cdef int8_t *_xe_scratch(size_t need) except NULL:

@@ -206,6 +206,8 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4)
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
+    if lde and M * lde > XE_MAX_BYTES:
+        lde = 0
     if lde:
         g.a.xe, g.a.lde = _xe_scratch(M * lde), lde
     with nogil:
@@ -441,7 +443,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
     cdef int8_t *xe = NULL
     b = 0
-    if ldx and ldh:
+    if ldx and ldh and pairs * (ldx + ldh) <= XE_MAX_BYTES:
         xe = _xe_scratch(pairs * (ldx + ldh))
         job.ax.xe, job.ax.lde = xe, ldx
         job.ah.xe, job.ah.lde = xe + pairs * ldx, ldh
