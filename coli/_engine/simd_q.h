@@ -120,8 +120,9 @@ static inline __m512i coli_lane_groups(int shift) {
 }
 
 /* The end of a 512-bit tile: out = acc - cor, the NR row sums of each token in one
- * transpose-reduce, plus the groups left after the last full step (nb % 2 for Q8, nb % 4
- * for Q4, starting at group b) through the 256-bit tile; RB: bytes of a row per group. */
+ * transpose-reduce, plus the groups left after the last full step (Q8: nb % 2, starting at
+ * group b; the Q4 tiles leave none, their last step is masked) through the 256-bit tile;
+ * RB: bytes of a row per group. */
 #define COLI_QTILE512_END(NAME, MR, NR, RB)                                                               \
         for (int i = 0; i < MR; i++) {                                                             \
             __m512 r[4];                                                                           \
