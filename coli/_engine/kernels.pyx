@@ -92,6 +92,8 @@ cdef extern from "simd_q.h" nogil:
     void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
     void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+
+cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a change rebuilds)
     long coli_xe_ld(int fmt, int M, int K)
     void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde)
 
