@@ -79,7 +79,7 @@ def test_every_path_passes_the_kernel_parity_tests(path):
     if path == K.simd_name():
         return  # tests/test_kernels.py runs in this very process on it
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "1thread",
-                        "tests/test_kernels.py", "tests/test_quant_formats.py"],
+                        "tests/test_kernels.py", "tests/test_kernels_batch.py", "tests/test_quant_formats.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout

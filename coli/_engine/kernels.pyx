@@ -80,6 +80,8 @@ cdef extern from "simd_q.h" nogil:
         long ldx
         long ldq
         long ldb
+        const int8_t *xe
+        long lde
     enum:
         COLI_F32
         COLI_BF16
@@ -90,6 +92,10 @@ cdef extern from "simd_q.h" nogil:
     void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
     void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+
+cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a change rebuilds)
+    long coli_xe_ld(int fmt, int M, int K)
+    void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde)
 
 cdef enum:
     ROW_BLOCK = 16      # weight rows per parallel work item
@@ -110,6 +116,32 @@ def set_panel_min_rows(int rows):
     """Tune where f32 linear layers switch from dot-product tiles to token panels."""
     global PANEL_MIN_ROWS
     PANEL_MIN_ROWS = rows
+
+
+cdef char *_xe_raw = NULL   # the multi-token quantized tiles' arranged activations, grown as needed
+cdef size_t _xe_cap = 0
+cdef long XE_MAX_BYTES = 16 << 20  # calls whose arranged activations would take more (long prefill
+                                   # chunks) use the plain tiles, so the scratch stays small
+
+
+def set_xe_max_bytes(long n):
+    """Tune the largest arranged-activation scratch a multi-token quantized call may use
+    (0: never arrange; every call then takes the plain tiles)."""
+    global XE_MAX_BYTES
+    XE_MAX_BYTES = n
+
+
+cdef int8_t *_xe_scratch(size_t need) except NULL:
+    """``need`` bytes on a 64-byte boundary for coli_expand_act (grown, never shrunk; called
+    with the GIL; like the panels, one kernel call uses it at a time)."""
+    global _xe_raw, _xe_cap
+    cdef char *p
+    if need > _xe_cap:
+        p = <char *>realloc(_xe_raw, need + 64)
+        if p == NULL:
+            raise MemoryError()
+        _xe_raw, _xe_cap = p, need
+    return <int8_t *>(_xe_raw + (-(<size_t>_xe_raw) & 63))
 
 
 cdef float *_panel_scratch(size_t need) except NULL:

@@ -76,6 +76,7 @@ cdef inline coli_act _activations(const float *x, long ldx, int8_t *q, float *qd
                           long ldb) noexcept nogil:
     cdef coli_act a
     a.x, a.q, a.qd, a.qs, a.ldx, a.ldq, a.ldb = x, q, qd, qs, ldx, ldq, ldb
+    a.xe, a.lde = NULL, 0
     return a
 
 
@@ -84,6 +85,8 @@ cdef inline coli_act _rows(coli_act a, int off) noexcept nogil:
     a.q = a.q + off * a.ldq
     a.qd = a.qd + off * a.ldb
     a.qs = a.qs + off * a.ldb
+    if a.xe != NULL:
+        a.xe = a.xe + off * a.lde
     return a
 
 
@@ -202,9 +205,16 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     if quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4)
+    cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
+    if lde and M * lde > XE_MAX_BYTES:
+        lde = 0
+    if lde:
+        g.a.xe, g.a.lde = _xe_scratch(M * lde), lde
     with nogil:
         if quant:
             _quantize_rows(xp, K, M, K, qp, qdp, qsp)
+        if lde:
+            coli_expand_act(&g.a, M, K, fmt, <int8_t *>g.a.xe, lde)
         if g.panels != NULL:
             coli_pack_tokens(xp, K, M, K, <float *>g.panels)
         if nt == 1:
@@ -428,6 +438,15 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     job.panels = panels
     cdef int min_rows = PANEL_MIN_ROWS
     cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
+    # experts with several tokens take the multi-token tiles: their activations arranged once
+    cdef long ldx = coli_xe_ld(table.fmt, pairs, H) if quant else 0
+    cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
+    cdef int8_t *xe = NULL
+    b = 0
+    if ldx and ldh and pairs * (ldx + ldh) <= XE_MAX_BYTES:
+        xe = _xe_scratch(pairs * (ldx + ldh))
+        job.ax.xe, job.ax.lde = xe, ldx
+        job.ah.xe, job.ah.lde = xe + pairs * ldx, ldh
     with nogil:
         memset(cnt, 0, E * sizeof(int))
         for p in range(pairs):
@@ -457,6 +476,13 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                     n2 = n2 + 1
         if quant:
             _quantize_rows(xg, H, pairs, H, scratch.xq, scratch.xqd, scratch.xqs)
+        if xe != NULL:
+            for e in range(E):
+                b = b if b > cnt[e] else cnt[e]
+            if b >= 2:  # an expert with several tokens
+                coli_expand_act(&job.ax, pairs, H, table.fmt, <int8_t *>job.ax.xe, ldx)
+            else:
+                xe = job.ax.xe = job.ah.xe = NULL
         p = 0
         for e in range(E):
             poff[e] = -1
@@ -472,6 +498,8 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                 _moe_up(&job, it1[it])
         if quant:
             _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
+        if xe != NULL:
+            coli_expand_act(&job.ah, pairs, inter, table.fmt, <int8_t *>job.ah.xe, ldh)
         for e in range(E):
             if poff[e] >= 0:
                 coli_pack_tokens(scratch.g + <long>offs[e] * inter, inter, cnt[e], inter,

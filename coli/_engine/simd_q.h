@@ -45,6 +45,9 @@ typedef struct {
     const float *qd;    /* (M, ldb) group scales */
     const int32_t *qs;  /* (M, ldb) group sums of q */
     long ldx, ldq, ldb;
+    const int8_t *xe;   /* (M, lde) bytes: q expanded for the multi-token 512-bit tiles
+                           (coli_expand_act), or NULL */
+    long lde;
 } coli_act;
 
 static inline float coli_f16_to_f32(uint16_t h) {
@@ -120,8 +123,9 @@ static inline __m512i coli_lane_groups(int shift) {
 }
 
 /* The end of a 512-bit tile: out = acc - cor, the NR row sums of each token in one
- * transpose-reduce, plus the groups left after the last full step (nb % 2 for Q8, nb % 4
- * for Q4, starting at group b) through the 256-bit tile; RB: bytes of a row per group. */
+ * transpose-reduce, plus the groups left after the last full step (Q8: nb % 2, starting at
+ * group b; the Q4 tiles leave none, their last step is masked) through the 256-bit tile;
+ * RB: bytes of a row per group. */
 #define COLI_QTILE512_END(NAME, MR, NR, RB)                                                               \
         for (int i = 0; i < MR; i++) {                                                             \
             __m512 r[4];                                                                           \
@@ -220,6 +224,42 @@ static inline __m512i coli_lane_groups(int shift) {
  * whose lane l belongs to group b + l / 4, scaled by that group's weight (and activation)
  * scale picked from the chunk's 16 scales. The offset of 8 is one correction per group,
  * -8 * sum(x) * scales, summed per chunk into cor and subtracted once at the end. */
+/* One step of the Q4 tile: groups b .. b + 3, or with MASKED the n < 4 groups left (the
+ * rest of the 4 read as zeros, weights and activations both). */
+#define COLI_Q4STEP512(MR, NR, MASKED, n)                                                          \
+    {                                                                                              \
+        __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                            \
+        __m512i lo[NR], hi[NR];                                                                    \
+        __m512 ws[NR];                                                                             \
+        if (!(MASKED))                                                                             \
+            for (int j = 0; j < NR; j++)                                                           \
+                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);           \
+        for (int j = 0; j < NR; j++) {                                                             \
+            __m512i raw = (MASKED) ? _mm512_maskz_loadu_epi8((1ull << (16 * (n))) - 1, wq + j * ldw + b * 16) \
+                                   : _mm512_loadu_si512((const void *)(wq + j * ldw + b * 16));    \
+            lo[j] = _mm512_and_si512(raw, m4);                                                     \
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);                               \
+            ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                            \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            const int8_t *xp = a->q + i * a->ldq + b * 32;                                         \
+            __m512i x01 = (MASKED) ? _mm512_maskz_loadu_epi8((n) >= 2 ? ~0ull : 0xFFFFFFFFull, xp)  \
+                                   : _mm512_loadu_si512((const void *)xp);                         \
+            __m512i x23 = (MASKED) ? _mm512_maskz_loadu_epi8((n) == 3 ? 0xFFFFFFFFull : 0ull, xp + 64) \
+                                   : _mm512_loadu_si512((const void *)(xp + 64));                  \
+            __m512i xlo = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));                 \
+            __m512i xhi = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));                 \
+            __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]);       \
+            for (int j = 0; j < NR; j++) {                                                         \
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);               \
+                d = _mm512_dpbusd_epi32(d, hi[j], xhi);                                            \
+                __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                            \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);                 \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* The groups after the last whole step of 4 are one masked step (no per-row tail). */
 #define COLI_Q4TILE512(NAME, MR, NR, ASYM)                                                              \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
@@ -228,34 +268,12 @@ static inline __m512i coli_lane_groups(int shift) {
             for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
         const __m512i pat = coli_lane_groups(2), m4 = _mm512_set1_epi8(0x0F);                      \
         int b = 0;                                                                                 \
-        for (int c0 = 0; c0 + 4 <= nb; c0 += 16) {                                                 \
-            COLI_QCHUNK512(MR, NR, 4, (ASYM ? -1.0f : 8.0f), ASYM)                                                        \
-            for (b = c0; b + 4 <= c0 + cn; b += 4) {                                               \
-                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
-                __m512i lo[NR], hi[NR];                                                            \
-                __m512 ws[NR];                                                                     \
-                for (int j = 0; j < NR; j++)                                                       \
-                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);       \
-                for (int j = 0; j < NR; j++) {                                                     \
-                    __m512i raw = _mm512_loadu_si512((const void *)(wq + j * ldw + b * 16));      \
-                    lo[j] = _mm512_and_si512(raw, m4);                                             \
-                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);                       \
-                    ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
-                }                                                                                  \
-                for (int i = 0; i < MR; i++) {                                                     \
-                    const int8_t *xp = a->q + i * a->ldq + b * 32;                                 \
-                    __m512i x01 = _mm512_loadu_si512((const void *)xp);                            \
-                    __m512i x23 = _mm512_loadu_si512((const void *)(xp + 64));                     \
-                    __m512i xlo = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));         \
-                    __m512i xhi = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));         \
-                    __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
-                    for (int j = 0; j < NR; j++) {                                                 \
-                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);       \
-                        d = _mm512_dpbusd_epi32(d, hi[j], xhi);                                    \
-                        __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
-                    }                                                                              \
-                }                                                                                  \
+        for (int c0 = 0; c0 < nb; c0 += 16) {                                                      \
+            COLI_QCHUNK512(MR, NR, 1, (ASYM ? -1.0f : 8.0f), ASYM)                                 \
+            for (b = c0; b + 4 <= c0 + cn; b += 4) COLI_Q4STEP512(MR, NR, 0, 4)                    \
+            if (b < c0 + cn) {                                                                     \
+                COLI_Q4STEP512(MR, NR, 1, c0 + cn - b)                                             \
+                b = c0 + cn;                                                                       \
             }                                                                                      \
         }                                                                                          \
         COLI_QTILE512_END(NAME, MR, NR, 16)                                                          \
@@ -765,6 +783,7 @@ static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, con
     }
 }
 #endif
+#include "simd_qx.h" /* the multi-token tiles (AVX-512 VNNI) */
 
 /* ---- bf16 weights ----------------------------------------------------------------------
  * bf16 is the top half of an f32, so widening is a zero-extend and a shift: no AVX512-BF16
@@ -934,7 +953,29 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
             return;
         }
 #endif
-        for (int n = 0; n < nb; n += 4) {
+        int n = 0;
+#if defined(COLI_Q512)
+        if (a->xe != NULL && M >= COLI_XT_MIN) /* several tokens: 4 interleaved rows at a time */
+            for (; n + 4 <= nb; n += 4)
+                for (int m = 0; m < M; m += COLI_XT_MR) {
+                    int mr = M - m < COLI_XT_MR ? M - m : COLI_XT_MR;
+                    coli_act sub = *a;
+                    sub.q = a->q + m * a->ldq;
+                    sub.qd = a->qd + m * a->ldb;
+                    sub.qs = a->qs + m * a->ldb;
+                    sub.xe = a->xe + m * a->lde;
+                    const uint8_t *w4 = wq + n * W->ldw;
+                    float *y = Y + m * ldy + n0 + n;
+                    const uint16_t *d4 = wd + n * W->ldd, *m4 = wm ? wm + n * W->ldd : NULL;
+                    if (W->fmt == COLI_Q4A)
+                        coli_q4atile_x(mr, &sub, w4, d4, m4, W->ldw, W->ldd, ngroups, y, ldy);
+                    else if (W->fmt == COLI_Q4)
+                        coli_q4tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
+                    else
+                        coli_q8tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
+                }
+#endif
+        for (; n < nb; n += 4) {
             int nr = nb - n < 4 ? nb - n : 4;
             for (int m = 0; m < M; m += 4) {
                 int mr = M - m < 4 ? M - m : 4;

@@ -1,0 +1,133 @@
+"""The multi-token quantized tiles (several tokens against the same weight rows: batched
+decode, speculative verification, MoE experts with several tokens) against the NumPy twin.
+
+On AVX-512 VNNI these take 4 weight rows interleaved in registers and the activations
+arranged once per call (coli_expand_act); the shapes below hit every edge of that: token
+counts below, at and past a tile (8), rows left over after the last 4, and a last step of
+1, 2 or 3 groups (int4) or a lone group (int8), including a partial last group. Other paths
+run the same tests through their own tiles (tests/test_simd_dispatch.py forces each)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli._engine import kernels as K
+from coli.quant import quantize, reference_qlinear
+
+RNG = np.random.default_rng(2026)
+FMTS = ["int4", "int4s", "int8"]
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"], autouse=True)
+def threads(request):
+    K.set_num_threads(request.param)
+    K.set_small_work(0)  # with 2 threads even these small shapes split over the team
+    yield request.param
+    K.set_num_threads(2)
+    K.set_small_work(1 << 15)
+
+
+def _scratch(M, K_):
+    kp = K.padded(K_)
+    return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
+
+
+def _qlinear(x, m):
+    out = np.full((len(x), m.rows), np.nan, np.float32)
+    K.qlinear(x, m, out, None, *_scratch(len(x), m.cols))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M", [2, 3, 4, 5, 7, 8, 9, 16, 19])
+@pytest.mark.parametrize("N,K_", [(4, 128), (13, 160), (6, 192), (9, 224), (8, 576), (7, 1055), (5, 32), (11, 96),
+                                  (3, 64)])
+def test_multi_token_qlinear_matches_twin(fmt, M, N, K_):
+    x, w = rand(M, K_), rand(N, K_, scale=0.2)
+    m = quantize(w, fmt)
+    np.testing.assert_allclose(_qlinear(x, m), reference_qlinear(x, m), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_each_token_of_a_batch_gets_its_own_result(fmt):
+    """A batch is its tokens one by one: each row of an 8-token call is close to that token's
+    one-token call (same quantized operands; only the order of the float sums differs), and
+    a token is not disturbed by the others (one huge row among small ones)."""
+    x, w = rand(8, 608), rand(21, 608, scale=0.2)
+    x[3] *= 1e3
+    m = quantize(w, fmt)
+    batch = _qlinear(x, m)
+    for i in range(8):
+        one = _qlinear(x[i:i + 1].copy(), m)[0]
+        np.testing.assert_allclose(batch[i], one, rtol=2e-5, atol=2e-5 * float(np.abs(one).max()))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_extreme_codes_do_not_overflow(fmt):
+    """Every weight at the end of its grid and every activation at +-127: the integer sums of
+    a step stay exact."""
+    K_ = 1024
+    w = np.where(RNG.random((12, K_)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x = np.where(RNG.random((6, K_)) < 0.5, -3.0, 3.0).astype(np.float32)
+    x[0] = 3.0
+    w[0] = 1.0
+    m = quantize(w, fmt)
+    np.testing.assert_allclose(_qlinear(x, m), reference_qlinear(x, m), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,H,I", [(6, 96, 80), (11, 160, 224)])
+def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
+    """Every token routed to the same two of four experts (so each computes M tokens
+    through the multi-token tiles), against the one-token-at-a-time result."""
+    E, k = 4, 2
+    mats = [[quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+             quantize(rand(H, I, scale=0.2), fmt)] for _ in range(E)]
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    for e in range(E):
+        table.set(e, *mats[e])
+    x = rand(M, H)
+    idx = np.tile(np.array([[2, 0]], np.int32), (M, 1))
+    w = rand(M, k, scale=0.5)
+    out = np.empty((M, H), np.float32)
+    used = K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    assert used == 2
+    for i in range(M):
+        one = np.empty((1, H), np.float32)
+        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
+                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_calls_too_large_to_arrange_take_the_plain_tiles(fmt):
+    """Past the arranged-activation budget (long prefill chunks) a call falls back to the
+    plain tiles: the same results within float rounding, and both match the twin."""
+    x, w = rand(12, 320), rand(10, 320, scale=0.2)
+    m = quantize(w, fmt)
+    arranged = _qlinear(x, m)
+    K.set_xe_max_bytes(0)
+    try:
+        plain = _qlinear(x, m)
+        E, H, I = 3, 96, 64
+        table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+        for e in range(E):
+            table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+                      quantize(rand(H, I, scale=0.2), fmt))
+        xm, idx, wm = rand(5, H), np.tile(np.array([[1, 2]], np.int32), (5, 1)), rand(5, 2, scale=0.5)
+        outs = []
+        for budget in (0, 16 << 20):
+            K.set_xe_max_bytes(budget)
+            out = np.empty((5, H), np.float32)
+            K.moe_experts(xm, idx, wm, table, out, K.MoEScratch(5, 2, E, H, I), np.zeros(E, np.int64), 0)
+            outs.append(out)
+    finally:
+        K.set_xe_max_bytes(16 << 20)
+    ref = reference_qlinear(x, m)
+    np.testing.assert_allclose(plain, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(arranged, plain, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
