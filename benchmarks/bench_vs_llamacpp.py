@@ -9,8 +9,10 @@ quantizes at load. In one run, same machine, same thread count:
 
     engine      format                     bytes like
     llama.cpp   Q4_0 (every matrix, incl. token_embd and output), flash attention off / on
+    llama.cpp   Q4_1 (every matrix), flash attention off / on
     llama.cpp   Q8_0 (every matrix), flash attention off / on
-    coli        int4, head int4            = Q4_0  (32-element groups, f16 scale, q-8)
+    coli        int4s, head int4s          = Q4_0  (32-element groups, f16 scale, q-8; 4.5 bits)
+    coli        int4, head int4            = Q4_1  (32-element groups, f16 scale and min; 5 bits)
     coli        int8, head int8            = Q8_0
     coli        int4, head int8 (coli's default under int4; extra line, more head bytes)
 
@@ -22,8 +24,8 @@ quantizes at load. In one run, same machine, same thread count:
 **Correctness first** (``--check``; the benchmark runs it too unless ``--no-check``):
 llama.cpp's F32 GGUF vs ``coli.load(hf_dir, quant="f32")`` on one 16-token prompt: max
 |logit difference| over all 16 positions, then 16 greedy decode steps of each engine,
-compared token by token. The quantized pairs (Q4_0 vs coli int4 head int4, Q8_0 vs coli
-int8) are compared the same way, for information.
+compared token by token. The quantized pairs (Q4_0 vs coli int4s, Q4_1 vs coli int4, Q8_0
+vs coli int8, each with the same head format) are compared the same way, for information.
 
 **What is timed**, per repeat, from an empty KV cache, with a fresh random prompt (the
 same prompts for every engine):
@@ -66,16 +68,20 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 ENGINES = {
     "llama.cpp Q4_0": ("llama.cpp", "q4_0", False),
     "llama.cpp Q4_0 +FA": ("llama.cpp", "q4_0", True),
+    "llama.cpp Q4_1": ("llama.cpp", "q4_1", False),
+    "llama.cpp Q4_1 +FA": ("llama.cpp", "q4_1", True),
     "llama.cpp Q8_0": ("llama.cpp", "q8_0", False),
     "llama.cpp Q8_0 +FA": ("llama.cpp", "q8_0", True),
+    "coli int4s (head int4s)": ("coli", "int4s", "int4s"),
     "coli int4 (head int4)": ("coli", "int4", "int4"),
     "coli int8": ("coli", "int8", "int8"),
     "coli int4 (head int8)": ("coli", "int4", "int8"),
 }
 # coli line vs llama.cpp at the same bytes: the faster llama.cpp line of each metric
 # (flash attention off -- llama-cpp-python's default -- or on, llama.cpp's CLI default "auto" on CPU)
-RATIOS = [("coli int4 (head int4)", "Q4_0"), ("coli int8", "Q8_0"), ("coli int4 (head int8)", "Q4_0")]
-CHECK_PAIRS = [("f32", "f32", "f32"), ("q4_0", "int4", "int4"), ("q8_0", "int8", "int8")]
+RATIOS = [("coli int4s (head int4s)", "Q4_0"), ("coli int4 (head int4)", "Q4_1"), ("coli int8", "Q8_0"),
+          ("coli int4 (head int8)", "Q4_1")]
+CHECK_PAIRS = [("f32", "f32", "f32"), ("q4_0", "int4s", "int4s"), ("q4_1", "int4", "int4"), ("q8_0", "int8", "int8")]
 
 
 def cache_root() -> Path:
@@ -539,7 +545,7 @@ def main(argv=None) -> int:
     report["results"] = results
     # decode roofline: memory bandwidth / bytes of weights one decode token reads. A Q4_0 / Q8_0
     # GGUF reads the same bytes as coli int4 head int4 / int8 (same blocks, norms and routers f32).
-    same_bytes = {"q4_0": "coli int4 (head int4)", "q8_0": "coli int8"}
+    same_bytes = {"q4_0": "coli int4s (head int4s)", "q4_1": "coli int4 (head int4)", "q8_0": "coli int8"}
     bw = report.get("bandwidth_bytes_s")
     for n, r in results.items():
         if r["weight_bytes_per_token"] is None and ENGINES[n][0] == "llama.cpp" and same_bytes[ENGINES[n][1]] in results:

@@ -2,7 +2,7 @@
 synthetic ``olmoe-mini`` (``coli.synthetic.write_hf``), so llama.cpp can run the very
 same weights for a side-by-side benchmark.
 
-    python benchmarks/gguf_from_hf.py HF_DIR OUT.gguf --type q4_0   # or q8_0, f32
+    python benchmarks/gguf_from_hf.py HF_DIR OUT.gguf --type q4_0   # or q4_1, q8_0, f32
 
 What it writes (what llama.cpp's ``convert_hf_to_gguf.py`` writes for
 ``OlmoeForCausalLM``, arch ``olmoe``):
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0"}
-FILE_TYPES = {"f32": "ALL_F32", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
+TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+FILE_TYPES = {"f32": "ALL_F32", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
 
 
 def _checkpoint(hf_dir: Path):
