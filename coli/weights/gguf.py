@@ -33,7 +33,7 @@ from coli.weights.source import ResidentExperts, Weights, default_head_quant
 
 # llama.cpp architecture -> coli model_type (llama with experts is Mixtral)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-         "gemma3": "gemma3_text"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "gemma3": "gemma3_text"}
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MAGIC = b"GGUF"
 
@@ -178,7 +178,8 @@ def hf_config(g: GGUFModel) -> dict:
     if "token_embd.weight" not in T:
         raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' is missing")
     vocab = int(T["token_embd.weight"].shape[-1])  # ggml shape: (cols, rows)
-    n_layers = int(need(".block_count"))
+    # GLM-4.5's GGUF counts its MTP (nextn) blocks in block_count, after the decoder's; they are skipped
+    n_layers = int(need(".block_count")) - int(g.get(".nextn_predict_layers") or 0)
     raw = {
         "model_type": ARCHS[g.arch], "hidden_size": hidden, "num_hidden_layers": n_layers,
         "num_attention_heads": heads, "num_key_value_heads": int(kv), "vocab_size": vocab,
@@ -214,7 +215,54 @@ def hf_config(g: GGUFModel) -> dict:
             raw["clip_qkv"] = float(g.get(".attention.clamp_kqv"))
     elif g.arch == "gemma3":
         _gemma3(g, raw)
+    elif g.arch in ("deepseek2", "glm4moe"):
+        _sigmoid_moe(g, raw)
+        if g.arch == "deepseek2":
+            _deepseek2(g, raw, need)
+        else:
+            _glm4moe(g, raw)
     return raw
+
+
+def _sigmoid_moe(g: GGUFModel, raw: dict) -> None:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores with a selection bias (exp_probs_b),
+    group-limited top-k, weights x expert_weights_scale; leading dense layers; shared experts."""
+    gating = g.get(".expert_gating_func")
+    if g.arch == "deepseek2" and gating != 2:  # llama.cpp reads a missing key as softmax (DeepSeek-V2)
+        raise ModelLoadError(f"{g.path}: a deepseek2 GGUF with softmax expert gating (DeepSeek-V2 / V2.5) is not "
+                             "supported; coli runs DeepSeek-V3-style sigmoid routing (expert_gating_func 2)")
+    if g.arch == "glm4moe" and gating not in (None, 2):
+        raise ModelLoadError(f"{g.path}: expert_gating_func {gating} is not supported for glm4moe (sigmoid only)")
+    raw.update(n_routed_experts=raw.pop("num_experts", 0), first_k_dense_replace=int(g.get(".leading_dense_block_count") or 0),
+               n_shared_experts=int(g.get(".expert_shared_count") or 0),
+               routed_scaling_factor=float(g.get(".expert_weights_scale") or 1.0),
+               norm_topk_prob=bool(g.get(".expert_weights_norm", False)),
+               n_group=int(g.get(".expert_group_count") or 1), topk_group=int(g.get(".expert_group_used_count") or 1))
+    raw.pop("mlp_only_layers", None)
+
+
+def _deepseek2(g: GGUFModel, raw: dict, need) -> None:
+    """Multi-head latent attention. llama.cpp writes it as MQA over the latent: head_count_kv 1,
+    key_length kv_lora_rank + rope, value_length kv_lora_rank, and the per-head sizes as
+    key_length_mla / value_length_mla (GGUFs older than that: key_length / value_length)."""
+    rope = int(need(".rope.dimension_count"))
+    qk = g.get(".attention.key_length_mla") or need(".attention.key_length")
+    vd = g.get(".attention.value_length_mla") or need(".attention.value_length")
+    raw.update(kv_lora_rank=int(need(".attention.kv_lora_rank")), q_lora_rank=g.get(".attention.q_lora_rank") or None,
+               qk_rope_head_dim=rope, qk_nope_head_dim=int(qk) - rope, v_head_dim=int(vd), head_dim=rope,
+               num_key_value_heads=raw["num_attention_heads"], attention_bias=False)
+    rs = raw.get("rope_scaling")
+    if rs and rs.get("rope_type") == "yarn" and g.get(".rope.scaling.yarn_log_multiplier"):
+        # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's configs give mscale == mscale_all_dim
+        m = round(float(g.get(".rope.scaling.yarn_log_multiplier")) / 0.1, 6)
+        rs.update(mscale=m, mscale_all_dim=m)
+
+
+def _glm4moe(g: GGUFModel, raw: dict) -> None:
+    hd = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rot = int(g.get(".rope.dimension_count") or hd // 2)
+    raw.update(head_dim=hd, partial_rotary_factor=rot / hd, use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+               num_nextn_predict_layers=int(g.get(".nextn_predict_layers") or 0))
 
 
 def _rope_scaling(g: GGUFModel) -> dict | None:
@@ -229,6 +277,10 @@ def _rope_scaling(g: GGUFModel) -> dict | None:
     orig = g.get(".rope.scaling.original_context_length")
     if orig:
         out["original_max_position_embeddings"] = int(orig)
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                    ("yarn_attn_factor", "attention_factor")):
+        if g.get(".rope.scaling." + key) is not None:
+            out[hf] = float(g.get(".rope.scaling." + key))
     return out
 
 
@@ -257,9 +309,16 @@ _LAYER = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # multi-head latent attention (deepseek2); kv_b_proj is rebuilt from attn_k_b / attn_v_b (GGUFWeights._kv_b)
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+_GLM4MOE_LAYER = {"post_attention_layernorm": "post_attention_norm"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -269,11 +328,14 @@ def gguf_name(arch: str, hf: str) -> str | None:
     base, _, suffix = hf.rpartition(".")
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{suffix}"
+    if hf.endswith(".mlp.gate.e_score_correction_bias"):  # the router's selection bias
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
     m = _HF.match(hf)
     if not m:
         return None
     i, part, suffix = m.groups()
-    table = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else _LAYER
+    table = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else {**_LAYER, **_GLM4MOE_LAYER} if arch == "glm4moe" \
+        else _LAYER
     return f"blk.{i}.{table[part]}.{suffix}" if part in table else None
 
 
@@ -320,6 +382,8 @@ class GGUFWeights(Weights):
 
     def has(self, name: str) -> bool:
         n = gguf_name(self.g.arch, name)
+        if n is not None and n.endswith(".attn_kv_b.weight") and n not in self.g.tensors:
+            return n.replace("attn_kv_b", "attn_k_b") in self.g.tensors
         return n is not None and n in self.g.tensors
 
     def _order(self, hf: str, rows: int) -> np.ndarray | None:
@@ -344,7 +408,29 @@ class GGUFWeights(Weights):
             raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {kind}, which coli "
                                  "cannot read (gguf has no dequantizer for it)") from None
 
+    def _kv_b(self, name: str) -> np.ndarray:
+        """MLA's kv_b_proj (nh * (nope + v), kv_lora) as Hugging Face has it. llama.cpp's converter
+        splits it per head into attn_k_b, the nope rows transposed (nh, kv_lora, nope), and
+        attn_v_b (nh, v, kv_lora); GGUFs written before that keep it whole as attn_kv_b."""
+        kb_name = gguf_name(self.g.arch, name).replace("attn_kv_b", "attn_k_b")
+        vb_name = kb_name.replace("attn_k_b", "attn_v_b")
+        if kb_name not in self.g.tensors or vb_name not in self.g.tensors:
+            raise ModelLoadError(f"{self.g.path}: tensors {kb_name!r} and {vb_name!r} (or {gguf_name(self.g.arch, name)!r}) "
+                                 "are missing")
+        kb, vb = self.g.tensors[kb_name], self.g.tensors[vb_name]
+        nope, lora, nh = (int(d) for d in kb.shape)  # ggml order: innermost first
+        k = self._f32(kb).reshape(nh, lora, nope).transpose(0, 2, 1)  # (nh, nope, lora)
+        v = self._f32(vb).reshape(nh, -1, lora)  # (nh, v, lora)
+        return np.concatenate([k, v], axis=1).reshape(-1, lora)
+
     def __call__(self, name: str, *shape: int) -> np.ndarray:
+        gname = gguf_name(self.g.arch, name)
+        if gname and gname.endswith(".attn_kv_b.weight") and gname not in self.g.tensors:
+            arr = self._kv_b(name)
+            if arr.shape != tuple(shape):
+                raise ModelLoadError(f"{self.g.path}: attn_k_b/attn_v_b give kv_b_proj {list(arr.shape)}, "
+                                     f"expected {list(shape)}")
+            return np.ascontiguousarray(arr, dtype=np.float32)
         t = self.g.tensors[self._name(name)]
         arr = self._f32(t)
         if arr.size != int(np.prod(shape)):
