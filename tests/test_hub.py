@@ -234,3 +234,39 @@ def test_hub_failures_are_one_line_exit_2(hub, tmp_path):
     r = coli("pull", REPO, env=env(hub.url, tmp_path, HF_HUB_OFFLINE="1"))
     assert r.returncode == 2 and "offline" in r.stderr, r.stderr
     assert not list((tmp_path / "hf").rglob("*.safetensors"))  # nothing half-written
+
+
+def test_disk_full_keeps_the_partial_download_and_the_next_pull_resumes(hub, repo_files, tmp_path):
+    """A real full disk (a small tmpfs as the Hugging Face cache): one line, exit 2, the
+    partial file kept as blobs/<etag>.incomplete and nothing linked into a snapshot; after
+    freeing space the next pull continues it with a Range request and finishes."""
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(hf_home)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"the disk-full test mounts a tmpfs and needs root (mount said: {r.stderr.strip()})")
+    try:
+        filler = hf_home / "filler"
+        filler.write_bytes(b"\0" * (8 << 20))  # leaves ~8 MB: less than model-extra.safetensors' 12 MB
+        e = env(hub.url, tmp_path)
+        r = coli("pull", REPO, env=e)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "disk full while downloading model-extra.safetensors" in r.stderr and "to resume" in r.stderr
+        repo_dir = hf_home / "hub" / "models--tiny-org--tiny-llama"
+        (partial,) = (repo_dir / "blobs").glob("*.incomplete")
+        kept = partial.stat().st_size
+        extra = repo_files[REPO]["model-extra.safetensors"]
+        assert 0 < kept < len(extra) and partial.read_bytes() == extra[:kept]
+        assert not (repo_dir / "snapshots").exists()  # nothing half-written where a loader would look
+        filler.unlink()  # space freed
+        hub.log.clear()
+        r = coli("pull", REPO, env=e)
+        assert r.returncode == 0, r.stderr
+        ranged = [rng for m, p, rng in hub.log if m == "GET" and p.endswith("/model-extra.safetensors")]
+        assert ranged == [f"bytes={kept}-"]  # continued from the kept bytes, not from zero
+        snap = repo_dir / "snapshots" / COMMIT
+        for name in ("model-extra.safetensors", "model.safetensors", "config.json"):
+            assert (snap / name).read_bytes() == repo_files[REPO][name]
+        assert not list(repo_dir.rglob("*.incomplete"))
+    finally:
+        subprocess.run(["umount", str(hf_home)], capture_output=True)
