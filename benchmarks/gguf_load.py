@@ -8,6 +8,7 @@ tests/test_gguf_smollm.py caches.
 """
 import json
 import os
+import resource
 import sys
 import time
 
@@ -24,13 +25,15 @@ def main() -> None:
     q = sys.argv[1]
     path = os.path.expanduser(sys.argv[2] if len(sys.argv) > 2 else SMOLLM)
     os.makedirs(OUT, exist_ok=True)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     m = coli.load(path, quant=None if q == "default" else q, threads=2)
     load = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    load_cpu = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime  # what load does not change
     ids = m.prompt_ids("Explain in two sentences why the sky is blue.")
     np.save(f"{OUT}/logits-{q}.npy", m.forward(ids))
     res = B.run(m, prompt_tokens=64, gen_tokens=32, repeats=2, label=q)
-    print(json.dumps({"quant": m.weights.quant, "head": m.weights.head_quant, "load_s": round(load, 2),
+    print(json.dumps({"quant": m.weights.quant, "head": m.weights.head_quant, "load_s": round(load, 2), "load_cpu_s": round(load_cpu, 2),
                       "prefill": round(res.median("prefill_tok_s"), 1), "decode": round(res.median("decode_tok_s"), 1),
                       "rss_mib": B.peak_rss_bytes() >> 20, "simd": res.simd}))
 

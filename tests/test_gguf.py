@@ -181,7 +181,7 @@ def _rewrite(src_path, out, tensor, meta=None):
     return out
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q5_0", "Q5_1"])
 def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp_path):
     """Types coli has no layout for are dequantized (as f32: exactly the GGUF's values) and
     quantized to the closest format by default; near the original checkpoint's logits."""
@@ -191,7 +191,7 @@ def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp
     exact = coli.load(path, threads=1, quant="f32")
     assert np.array_equal(exact.forward(ids), coli.load(deq, threads=1).forward(ids))
     m = coli.load(path, threads=1)
-    fmt = {"F16": "f32"}.get(qtype, "int8")
+    fmt = {"F16": "f32", "BF16": "bf16"}.get(qtype, "int8")
     assert (m.weights.quant, m.weights.head_quant) == (fmt, fmt)
     assert np.array_equal(m.forward(ids), coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
     ref = coli.load(hf_models("llama"), threads=1).forward(ids)

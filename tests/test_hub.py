@@ -31,6 +31,7 @@ class FakeHub(ThreadingHTTPServer):
         self.repos = repos
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.drop_once: set[str] = set()  # files whose first full GET is cut in the middle
+        self.auth: set[str | None] = set()  # the Authorization headers seen
 
     @property
     def url(self) -> str:
@@ -68,6 +69,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.split("?")[0]
         self.server.log.append((self.command, path, self.headers.get("Range")))
+        self.server.auth.add(self.headers.get("Authorization"))
         parts = path.strip("/").split("/")
         if parts[:2] == ["api", "models"]:
             repo = "/".join(parts[2:4])
@@ -157,9 +159,10 @@ def coli(*args, env, timeout=120):
 
 def test_pull_fetches_only_what_coli_loads_and_resumes_a_dropped_download(hub, repo_files, tmp_path):
     hub.drop_once.add("model-extra.safetensors")
-    e = env(hub.url, tmp_path)
+    e = env(hub.url, tmp_path, HF_TOKEN="hf_test_token")
     r = coli("pull", REPO, env=e)
     assert r.returncode == 0, r.stderr
+    assert hub.auth == {"Bearer hf_test_token"}  # HF_TOKEN on every request, the resumed one too
     snap = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
     for name in ("config.json", "model.safetensors", "model-extra.safetensors", "tokenizer.json",
                  "tokenizer_config.json"):

@@ -68,6 +68,9 @@ def test_list_show_rm_and_misspelt_names(hf_models, tmp_path):
     assert r.returncode == 0, r.stderr
     r = cli("show", "acme/tiny-mo (int8)", env=e)
     assert r.returncode == 2 and "did you mean acme/tiny-moe (int8)?" in r.stderr
+    r = cli("run", "-m", "acme/tiny-mo", "hi", env=e)  # a hub name not cached, close to one that is
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "run: coli pull acme/tiny-mo" in r.stderr and "did you mean acme/tiny-moe" in r.stderr
     r = cli("rm", "acme/tiny-moe (int8)", env=e, input="n\n")
     assert r.returncode != 0 and (models / "acme--tiny-moe--int8").exists()
     r = cli("rm", "acme/tiny-moe (int8)", "--yes", env=e)
