@@ -173,3 +173,15 @@ def test_a_real_cgroup_limit_is_the_usable_memory(big_model):
         assert r.returncode == 0 and plan["usable_from"] == "cgroup limit" and plan["usable_bytes"] < 1 << 30
     finally:
         d.rmdir()
+
+
+def test_a_cluster_worker_checks_memory_before_loading(big_model, monkeypatch):
+    """A Ray worker (the actor class, in process) makes the same plan on its own machine and
+    refuses the model before reading a weight."""
+    from coli.cluster.worker import Worker
+
+    monkeypatch.setenv("COLI_MEMORY_LIMIT", "1G")
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"needs about .* 1.00 GiB is usable \(COLI_MEMORY_LIMIT\); try --quant"):
+        Worker("w0", str(big_model), {"threads": 1})
+    assert time.monotonic() - t0 < 30
