@@ -41,6 +41,7 @@ MAGIC = b"GGUF"
 _CLOSEST = {"F32": "f32", "F16": "f32", "BF16": "bf16", "F64": "f32", "Q8_0": "int8", "Q8_1": "int8",
             "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
 REPACK = {"Q8_0": "int8", "Q4_0": "int4s", "Q4_1": "int4"}
+DEQUANT_ROWS = 1024  # rows dequantized at a time (see GGUFWeights._dequant)
 
 
 def closest_format(type_name: str) -> str:
@@ -395,18 +396,12 @@ class GGUFWeights(Weights):
 
     def _f32(self, t) -> np.ndarray:
         """A tensor as float32 in numpy order (rows, cols)."""
-        import gguf
-
         kind = t.tensor_type.name
         if kind == "F32":
             return np.asarray(t.data, dtype=np.float32)
         if kind == "F16":
             return np.asarray(t.data).astype(np.float32)
-        try:
-            return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
-        except NotImplementedError:
-            raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {kind}, which coli "
-                                 "cannot read (gguf has no dequantizer for it)") from None
+        return self._dequant(t, np.asarray(t.data))
 
     def _kv_b(self, name: str) -> np.ndarray:
         """MLA's kv_b_proj (nh * (nope + v), kv_lora) as Hugging Face has it. llama.cpp's converter
@@ -469,13 +464,21 @@ class GGUFWeights(Weights):
         return quantize(np.ascontiguousarray(w, dtype=np.float32), fmt)
 
     def _dequant(self, t, data):
+        """float32 values of raw blocks ``data`` (..., row bytes), DEQUANT_ROWS rows at a time into
+        one output array: gguf's dequantizers keep several float temporaries of their input, so
+        a whole large tensor at once (a 49152 x 576 embedding) would multiply the peak memory."""
         import gguf
 
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        flat = data.reshape(-1, data.shape[-1])
+        out = np.empty((flat.shape[0], flat.shape[1] // size * block), dtype=np.float32)
         try:
-            return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32, copy=False)
+            for i in range(0, len(flat), DEQUANT_ROWS):
+                out[i : i + DEQUANT_ROWS] = gguf.quants.dequantize(flat[i : i + DEQUANT_ROWS], t.tensor_type)
         except NotImplementedError:
             raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, "
                                  "which coli cannot read (gguf has no dequantizer for it)") from None
+        return out.reshape(*data.shape[:-1], out.shape[1])
 
     def _stacked(self, prefix: str, part: str):
         i = prefix.split(".")[2]
