@@ -261,6 +261,8 @@ def test_disk_full_keeps_the_partial_download_and_the_next_pull_resumes(hub, rep
         extra = repo_files[REPO]["model-extra.safetensors"]
         assert 0 < kept < len(extra) and partial.read_bytes() == extra[:kept]
         assert not (repo_dir / "snapshots").exists()  # nothing half-written where a loader would look
+        r = coli("list", "--json", env=e)  # the half-pulled repository is not listed, and breaks nothing
+        assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
         filler.unlink()  # space freed
         hub.log.clear()
         r = coli("pull", REPO, env=e)
