@@ -200,7 +200,9 @@ def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp
 
 # ggml block types gguf cannot quantize in NumPy: (block bytes, offsets of their fp16 scales)
 K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
-            "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
+            "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)), "IQ3_S": (110, (0,)),
+            "IQ3_XXS": (98, (0,)), "IQ2_S": (82, (0,)), "IQ2_XS": (74, (0,)), "IQ2_XXS": (66, (0,)),
+            "IQ1_S": (50, (0,))}  # (IQ1_M packs its scale into four nibbles: not drawn here)
 
 
 def _random_blocks(rows, cols, qtype, rng):
