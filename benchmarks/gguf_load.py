@@ -1,6 +1,7 @@
 """Load time, prefill/decode tok/s and peak RSS of a GGUF at one format (BENCHMARKS.md).
 
     python benchmarks/gguf_load.py QUANT [GGUF]     # QUANT: f32 | bf16 | int8 | int4 | default
+    LOAD_ONLY=1 python benchmarks/gguf_load.py QUANT [GGUF]   # just the load: CPU time and peak RSS
 
 Also saves the logits of a chat prompt to $OUT/logits-QUANT.npy (OUT default /tmp/gguf_bench)
 for benchmarks/gguf_requant_error.py. GGUF defaults to the SmolLM2 file that
@@ -30,6 +31,10 @@ def main() -> None:
     load = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_SELF)
     load_cpu = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime  # what load does not change
+    if os.environ.get("LOAD_ONLY"):  # the peak of loading alone
+        hwm = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        print(json.dumps({"quant": m.weights.quant, "load_cpu_s": round(load_cpu, 2), "load_peak_mib": int(hwm) >> 10}))
+        return
     ids = m.prompt_ids("Explain in two sentences why the sky is blue.")
     np.save(f"{OUT}/logits-{q}.npy", m.forward(ids))
     res = B.run(m, prompt_tokens=64, gen_tokens=32, repeats=2, label=q)
