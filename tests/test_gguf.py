@@ -321,3 +321,45 @@ def test_gguf_moe_converts_and_streams_its_experts(name, ggufs, tmp_path):
     assert not streamed.weights.store.resident
     assert np.array_equal(streamed.forward(ids), ref)
     assert streamed.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi</user><assistant>"
+
+
+def test_a_sentencepiece_vocabulary_gives_the_hugging_face_ids(tmp_path):
+    """A Llama-2-style vocabulary (SentencePiece BPE: ▁ prefix, byte fallback, scores = -merge
+    rank, CONTROL/UNKNOWN/BYTE token types) written as llama.cpp's `llama` tokenizer model:
+    coli's tokenizer rebuilt from it encodes like the original in transformers."""
+    import json
+
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from coli.weights.gguf_vocab import tokenizer_from_gguf
+    from tests.test_tokenizer import CORPUS, _sentencepiece_json
+
+    src = _sentencepiece_json("llama2")
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(src)["model"]["merges"]]
+    vocab = tokenizers.Tokenizer.from_str(src).get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    rank = {a + b: i for i, (a, b) in enumerate(merges)}
+    control = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0 if t in control or t == "<unk>" else -float(rank.get(t, len(merges) + i))
+                        for i, t in enumerate(tokens)])
+    w.add_token_types([gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.CONTROL if t in control
+                       else gguf.TokenType.BYTE if t.startswith("<0x") else gguf.TokenType.NORMAL for t in tokens])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_unk_token_id(vocab["<unk>"])
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine = tokenizer_from_gguf(GGUFModel(tmp_path / "spm.gguf"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(src), bos_token="<s>", eos_token="</s>")
+    texts = [*CORPUS, "Hello world", " two  spaces", "ünïcödé ☃ 🚀", "<|im_start|>user\nhi<|im_end|>", "tabs\tand\nnewlines"]
+    for text in texts:
+        assert mine.encode(text) == hf.encode(text), text
+    assert mine.encode("hi")[0] == vocab["<s>"] and mine.decode(mine.encode("Hello world")[1:]) == "Hello world"
