@@ -112,6 +112,10 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights)
     model = Model(model_dir, cfg, tokenizer, engine, weights)
     model.plan = plan
+    if is_gguf(model_dir):  # `coli list` shows the GGUFs given by path
+        from coli.models_cache import remember_gguf
+
+        remember_gguf(model_dir)
     return model
 
 

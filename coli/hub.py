@@ -7,7 +7,9 @@ default ``~/.cache/coli/models``). Nothing is downloaded implicitly: a name that
 cached is one line saying ``run: coli pull NAME``. ``pull`` downloads through
 ``huggingface_hub`` (progress bars, resume, ``HF_TOKEN``, ``HF_ENDPOINT``,
 ``HF_HUB_OFFLINE``) only what coli loads: config, tokenizer and safetensors files,
-or the one GGUF file asked for with ``--file``.
+or the one GGUF file asked for with ``--file``; the large files through coli's own
+resumable download (``coli/hub_fetch.py``), so a pull stopped by a full disk or a lost
+network continues where it stopped.
 """
 from __future__ import annotations
 
@@ -115,9 +117,9 @@ def _hub_error(e: BaseException, name: str) -> ModelLoadError:
     from huggingface_hub import errors as E
 
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return ModelLoadError(f"{name}: disk full while downloading (huggingface_hub removed the unfinished "
-                              f"file; the files already complete stay cached): free space and run coli pull {name} again")
-    if isinstance(e, E.LocalEntryNotFoundError) or isinstance(e, E.OfflineModeIsEnabled):
+        return ModelLoadError(f"{name}: disk full while downloading (the files already complete stay cached): "
+                              f"free space and run coli pull {name} again")
+    if isinstance(e, (E.LocalEntryNotFoundError, E.OfflineModeIsEnabled)) or type(e).__name__ == "ConnectError":
         return ModelLoadError(f"{name}: cannot reach the hub (offline: HF_HUB_OFFLINE is set, or no network) "
                               "and it is not in the local cache")
     if isinstance(e, E.GatedRepoError):
@@ -139,6 +141,8 @@ def pull(name: str, file: str | None = None, quant: str | None = None, progress:
     import huggingface_hub as hf
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
+    from coli.hub_fetch import fetch, large_files
+
     parsed = parse_name(name)
     if parsed is None:
         raise ModelLoadError(f"{name}: not a hub name (expected ORG/MODEL or ORG/MODEL@REVISION)")
@@ -149,6 +153,16 @@ def pull(name: str, file: str | None = None, quant: str | None = None, progress:
         if file:
             m = re.match(r"^(.*)-\d{5}-of-(\d{5})\.gguf$", file)
             patterns = [f"{m[1]}-*-of-{m[2]}.gguf"] if m else [file]
+        else:
+            patterns = NEEDED
+        files = hf.list_repo_files(repo, revision=rev)
+        if not file and "config.json" not in files:
+            ggufs = sorted(f for f in files if f.endswith(".gguf"))
+            hint = f"; it has GGUF files: pass --file, e.g. --file {ggufs[0]}" if ggufs else ""
+            raise ModelLoadError(f"{name}: no config.json in the repository{hint}")
+        for big in large_files(files, patterns):  # resumable across pulls (coli/hub_fetch.py)
+            fetch(repo, big, rev, name)
+        if file:
             snap = Path(hf.snapshot_download(repo, revision=rev, allow_patterns=patterns))
             target = snap / file
             if not target.exists():
@@ -156,7 +170,7 @@ def pull(name: str, file: str | None = None, quant: str | None = None, progress:
                 raise ModelLoadError(f"{name}: no file {file} in the repository"
                                      + (f" (its GGUF files: {', '.join(have)})" if have else ""))
         else:
-            snap = Path(hf.snapshot_download(repo, revision=rev, allow_patterns=NEEDED))
+            snap = Path(hf.snapshot_download(repo, revision=rev, allow_patterns=patterns))
             if not (snap / "config.json").exists():
                 ggufs = _repo_ggufs(repo, rev)
                 hint = f"; it has GGUF files: pass --file, e.g. --file {ggufs[0]}" if ggufs else ""

@@ -1,8 +1,10 @@
 """The models on this machine (``coli list`` / ``show`` / ``rm``) and the running servers (``coli ps``).
 
 Models: every repository in the Hugging Face cache (safetensors snapshots and pulled
-GGUF files) and every converted directory in ``$COLI_HOME/models``. Described from
-headers only (config.json, safetensors headers, GGUF metadata, coli.json): listing
+GGUF files), every converted directory in ``$COLI_HOME/models``, and every GGUF file
+loaded by path (``-m some/file.gguf``), remembered in ``$COLI_HOME/ggufs.json``
+(rewritten atomically under a lock; entries whose file is gone are dropped). Described
+from headers only (config.json, safetensors headers, GGUF metadata, coli.json): listing
 never reads a weight.
 
 Running servers: ``coli serve`` writes ``$COLI_HOME/run/<pid>.json`` once it listens
@@ -10,9 +12,12 @@ and removes it at exit; ``running()`` drops files whose process is gone.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 from coli.errors import ModelLoadError
@@ -55,6 +60,105 @@ def _converted_entries() -> list[dict]:
             name = "/".join(parts[:2]) + (f" ({parts[2]})" if len(parts) > 2 else "") if len(parts) >= 2 else d.name
             out.append({"name": name, "source": "converted", "path": str(d), "repo_path": str(d),
                         "size": _dir_size(d)})
+    return out
+
+
+# -- GGUF files loaded by path -------------------------------------------------------------------
+
+def _registry() -> Path:
+    return coli_home() / "ggufs.json"
+
+
+@contextlib.contextmanager
+def _locked():
+    """The registry's lock (flock on a side file), so two processes never lose each other's entry."""
+    import fcntl
+
+    path = _registry()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield path
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text())
+        return [e for e in data if isinstance(e, dict) and isinstance(e.get("path"), str)]
+    except (OSError, ValueError, TypeError):
+        return []  # none yet, or damaged: start again rather than fail a load
+
+
+def _write(path: Path, entries: list[dict]) -> None:
+    """Atomically: a temporary file in the same directory, fsynced, renamed over the old one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ggufs-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _in_hf_cache(p: Path) -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE).resolve() in p.parents
+    except Exception:
+        return False
+
+
+def remember_gguf(path: str | os.PathLike) -> None:
+    """Record a GGUF loaded by path (its first part, if split) for ``coli list``. Files in the
+    Hugging Face cache are listed from there already. Never fails the load that calls it."""
+    from coli.weights.gguf import split_files
+
+    try:
+        p = split_files(Path(path).resolve())[0]
+        if _in_hf_cache(p):
+            return
+        with _locked() as reg:
+            entries = [e for e in _read(reg) if e["path"] != str(p) and Path(e["path"]).is_file()]
+            _write(reg, entries + [{"path": str(p), "last_loaded": int(time.time())}])
+    except (OSError, ModelLoadError):
+        pass
+
+
+def forget_gguf(path: str | os.PathLike) -> None:
+    with _locked() as reg:
+        _write(reg, [e for e in _read(reg) if e["path"] != str(path)])
+
+
+def _gguf_entries() -> list[dict]:
+    """The remembered GGUFs whose file still exists (stale entries are dropped from the file)."""
+    from coli.weights.gguf import SPLIT
+
+    reg = _registry()
+    if not reg.exists():
+        return []
+    try:
+        with _locked():
+            entries = _read(reg)
+            live = [e for e in entries if Path(e["path"]).is_file()]
+            if len(live) != len(entries):
+                _write(reg, live)
+    except OSError:
+        live = [e for e in _read(reg) if Path(e["path"]).is_file()]
+    out = []
+    for e in sorted(live, key=lambda e: e["path"]):
+        p = Path(e["path"])
+        m = SPLIT.match(p.name)
+        parts = sorted(p.parent.glob(f"{m['stem']}-*-of-{m['count']}.gguf")) if m else [p]
+        out.append({"name": str(p), "source": "gguf", "path": str(p), "repo_path": str(p),
+                    "size": sum(f.stat().st_size for f in parts if f.is_file())})
     return out
 
 
@@ -148,7 +252,7 @@ def scan(fit: bool = True) -> list[dict]:
     from coli.plan import make_plan
 
     out = []
-    for e in _hf_entries() + _converted_entries():
+    for e in _hf_entries() + _converted_entries() + _gguf_entries():
         if fit:
             try:
                 e.update({k: v for k, v in describe(e["path"]).items() if k != "path"})
@@ -168,10 +272,10 @@ def find(name: str) -> dict:
     import difflib
 
     entries = scan(fit=False)
-    for e in entries:
-        if e["name"] == name or e["path"] == name:
-            return e
     p = Path(name).expanduser()
+    for e in entries:
+        if e["name"] == name or e["path"] == name or (p.exists() and Path(e["path"]) == p.resolve()):
+            return e
     if p.exists():
         return {"name": name, "source": "path", "path": str(p), "repo_path": str(p), "size": _dir_size(p)}
     names = [e["name"] for e in entries]
@@ -181,6 +285,10 @@ def find(name: str) -> dict:
 
 
 def remove(entry: dict) -> None:
+    """Delete a cached model; a remembered GGUF is only forgotten (the file is the user's)."""
+    if entry["source"] == "gguf":
+        forget_gguf(entry["path"])
+        return
     if entry["source"] == "path":
         raise ModelLoadError(f"{entry['path']}: not in a model cache; coli rm only deletes cached models "
                              "(delete your own files yourself)")

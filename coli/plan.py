@@ -164,6 +164,9 @@ def _kv_per_token(cfg) -> int:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
 
 
+F32_MATRICES = ("kv_b_proj", "attn_kv_b", "attn_k_b", "attn_v_b")  # MLA's absorbed kv_b is held in f32
+
+
 def _tensor_bytes(shapes, quant: str, head_quant: str) -> tuple[int, int]:
     """(dense, experts) bytes of (name, shape) tensors at the chosen formats."""
     dense = experts = 0
@@ -171,7 +174,7 @@ def _tensor_bytes(shapes, quant: str, head_quant: str) -> tuple[int, int]:
         n = 1
         for d in shape:
             n *= int(d)
-        if len(shape) < 2:
+        if len(shape) < 2 or any(f in name for f in F32_MATRICES):
             dense += 4 * n
         elif any(h in name for h in HEAD_NAMES):
             dense += int(n * BYTES[head_quant])
@@ -197,7 +200,8 @@ def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: 
         cfg = g.config()
         w = GGUFWeights(g, quant, head_quant)
         quant, head_quant = w.quant, w.head_quant
-        shapes = [(n, tuple(int(d) for d in t.shape)) for n, t in g.tensors.items()]
+        shapes = [(n, tuple(int(d) for d in t.shape)) for n, t in g.tensors.items()
+                  if not n.startswith("blk.") or int(n.split(".")[1]) < cfg.num_hidden_layers]  # not MTP blocks
         dense, exp = _tensor_bytes(shapes, quant, head_quant)
     elif is_converted(path):
         cfg = ModelConfig.from_dir(path)

@@ -9,7 +9,7 @@ complete -c coli -n '__fish_use_subcommand' -a cluster -d 'Cluster mode on Ray: 
 complete -c coli -n '__fish_use_subcommand' -a convert -d 'Convert a model: quantized dense tensors ready to map, each expert packed for one read'
 complete -c coli -n '__fish_use_subcommand' -a decide -d 'Answer typed questions about a state with probabilities; nothing is generated'
 complete -c coli -n '__fish_use_subcommand' -a kv -d 'Inspect the saved KV slot state'
-complete -c coli -n '__fish_use_subcommand' -a list -d 'List every model coli can see: the Hugging Face cache and coli\'s converted models'
+complete -c coli -n '__fish_use_subcommand' -a list -d 'List every model coli can see: the Hugging Face cache, coli\'s converted models and the GGUF files loaded by path (-m FILE.gguf)'
 complete -c coli -n '__fish_use_subcommand' -a plan -d 'Print the memory plan of loading a model (weights, KV cache, buffers against usable memory) without loading it'
 complete -c coli -n '__fish_use_subcommand' -a ps -d 'List the \'coli serve\' processes running on this machine: model, address, memory, slots'
 complete -c coli -n '__fish_use_subcommand' -a pull -d 'Download a model from the Hugging Face hub into the local cache (shared with transformers)'

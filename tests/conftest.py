@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,19 @@ ARCHS = {
                                                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0,
                                                                                 factor=4.0)})),
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_coli_home(tmp_path_factory):
+    """Tests never write into the user's $COLI_HOME (the GGUFs `coli list` remembers, servers'
+    runtime files, converted models)."""
+    old = os.environ.get("COLI_HOME")
+    os.environ["COLI_HOME"] = str(tmp_path_factory.mktemp("coli-home"))
+    yield
+    if old is None:
+        os.environ.pop("COLI_HOME", None)
+    else:
+        os.environ["COLI_HOME"] = old
 
 
 def make_hf_model(model_type: str, out: Path, seed: int = 0, dtype=None, max_shard_size=None, **overrides):

@@ -1,7 +1,10 @@
 """Write a GGUF of a tiny Hugging Face test checkpoint the way llama.cpp's
 convert_hf_to_gguf.py does: llama.cpp tensor names, Llama's q/k row permutation,
 Gemma's ``1 +`` norms, stacked ``ffn_*_exps`` experts, the metadata keys llama.cpp
-reads, and a byte-level BPE vocabulary of the checkpoint's word tokens."""
+reads, and a byte-level BPE vocabulary of the checkpoint's word tokens. DeepSeek-V3
+(``deepseek2``): MLA written as MQA over the latent, kv_b_proj split per head into
+attn_k_b (transposed) and attn_v_b; GLM-4.5 (``glm4moe``): its MTP block appended after
+the decoder's, counted in block_count and named by nextn_predict_layers."""
 from __future__ import annotations
 
 import json
@@ -12,12 +15,17 @@ import numpy as np
 from coli.weights.safetensors import Checkpoint
 
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-             "olmoe": "olmoe", "gemma3_text": "gemma3"}
+             "olmoe": "olmoe", "gemma3_text": "gemma3", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+         "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+         "mlp.shared_experts.down_proj": "ffn_down_shexp", "self_attn.q_a_proj": "attn_q_a",
+         "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+         "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+         "self_attn.kv_b_proj": "attn_kv_b"}
 GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
          "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -27,7 +35,10 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2") -> Path:
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2", split_kv_b: bool = True,
+               nextn: int = 0) -> Path:
+    """``split_kv_b``: deepseek2's kv_b_proj as attn_k_b + attn_v_b (llama.cpp since 2025), else whole
+    as attn_kv_b (older GGUFs); ``nextn``: glm4moe MTP blocks to append (random: they are skipped)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -41,11 +52,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(H)
-    w.add_block_count(L)
+    w.add_block_count(L + nextn)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    if cfg.get("head_dim"):
+    if mt != "deepseek_v3":  # (deepseek2: written by sigmoid_moe_metadata)
+        w.add_head_count_kv(nkv)
+    if cfg.get("head_dim") and mt != "deepseek_v3":
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -72,7 +84,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(rp["factor"])
             w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
-    E = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if E:
         w.add_expert_count(E)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -81,6 +93,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
             w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
     if cfg.get("clip_qkv"):
         w.add_clamp_kqv(cfg["clip_qkv"])
+    if mt in ("deepseek_v3", "glm4_moe"):
+        sigmoid_moe_metadata(w, cfg, arch, nextn)
     write_vocab(w, V, vocab)
 
     def put(name, arr, quantize=True):
@@ -105,6 +119,15 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
             if not cfg.get("tie_word_embeddings"):
                 put("output.weight", arr)
             continue
+        if hf.endswith(".mlp.gate.e_score_correction_bias"):
+            put(f"blk.{hf.split('.')[2]}.exp_probs_b.bias", arr)
+            continue
+        if hf.endswith("self_attn.kv_b_proj.weight") and split_kv_b:  # DeepseekV2Model.modify_tensors
+            kv_b = arr.reshape(nh, cfg["qk_nope_head_dim"] + cfg["v_head_dim"], -1)
+            k_b, v_b = kv_b[:, : cfg["qk_nope_head_dim"]], kv_b[:, cfg["qk_nope_head_dim"]:]
+            put(f"blk.{hf.split('.')[2]}.attn_k_b.weight", k_b.transpose(0, 2, 1))
+            put(f"blk.{hf.split('.')[2]}.attn_v_b.weight", v_b)
+            continue
         parts = hf.split(".")
         i, rest, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
         if ".experts." in hf:
@@ -114,6 +137,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
         if mt == "gemma3_text" and rest.endswith("norm"):
             arr = arr + 1.0
         table = {**LAYER, **GEMMA} if mt == "gemma3_text" else LAYER
+        if mt == "glm4_moe":
+            table = {**LAYER, "post_attention_layernorm": "post_attention_norm"}
         put(f"blk.{i}.{table[rest]}.{suffix}", arr, quantize=table[rest] != "ffn_gate_inp")
     for i in range(L):
         for sub, names in (("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
@@ -129,11 +154,52 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", vocab: str = "gpt2")
                 put(f"blk.{i}.ffn_gate_exps.weight", gu[:, :inter])
                 put(f"blk.{i}.ffn_up_exps.weight", gu[:, inter:])
                 put(f"blk.{i}.ffn_down_exps.weight", dn)
+    rng = np.random.default_rng(7)
+    for i in range(L, L + nextn):  # an MTP block: a whole layer plus its nextn tensors, never used
+        for n, shape in (("attn_norm", (H,)), ("post_attention_norm", (H,)), ("nextn.enorm", (H,)),
+                         ("nextn.hnorm", (H,)), ("nextn.shared_head_norm", (H,)), ("nextn.eh_proj", (H, 2 * H)),
+                         ("attn_q", (nh * cfg["head_dim"], H)), ("ffn_gate_inp", (E, H))):
+            put(f"blk.{i}.{n}.weight", rng.normal(size=shape).astype(np.float32), quantize=len(shape) > 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def sigmoid_moe_metadata(w, cfg: dict, arch: str, nextn: int) -> None:
+    """What DeepseekV2Model / Glm4MoeModel.set_gguf_parameters add for these configs."""
+    import gguf
+
+    w.add_expert_shared_count(cfg.get("n_shared_experts") or 0)
+    w.add_leading_dense_block_count(cfg.get("first_k_dense_replace") or 0)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    if arch == "deepseek2":
+        lora, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        w.add_head_count_kv(1)  # MLA as MQA over the latent
+        w.add_key_length(lora + rope)
+        w.add_value_length(lora)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_kv_lora_rank(lora)
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_rope_dimension_count(rope)
+        rp = cfg.get("rope_parameters") or {}
+        if rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+    else:
+        rp = cfg.get("rope_parameters") or {}
+        w.add_rope_dimension_count(int(cfg["head_dim"] * (cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor", 0.5))))
+        if nextn:
+            w.add_nextn_predict_layers(nextn)
 
 
 def llama3_factors(rp: dict, dim: int) -> np.ndarray:

@@ -16,7 +16,8 @@ from tests.gguf_kit import write_gguf
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (pip install gguf)")
 
 ARCH_CASES = ["llama", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma3_text", "llama-rope-linear",
-              "llama-rope-llama3", "qwen2-rope-yarn"]
+              "llama-rope-llama3", "qwen2-rope-yarn", "deepseek_v3", "deepseek_v3-no-q-lora", "glm4_moe"]
+KIT = {"glm4_moe": dict(nextn=1)}  # GLM-4.5 GGUFs carry their MTP block after the decoder's: skipped
 
 
 # llama.cpp's gemma3 scales queries by 1/sqrt(head_dim): the GGUF has no query_pre_attn_scalar
@@ -46,7 +47,7 @@ def ggufs(models, tmp_path_factory):
 
     def get(name, qtype="F32"):
         if (name, qtype) not in made:
-            made[name, qtype] = write_gguf(models(name), root / f"{name}-{qtype}.gguf", qtype)
+            made[name, qtype] = write_gguf(models(name), root / f"{name}-{qtype}.gguf", qtype, **KIT.get(name, {}))
         return made[name, qtype]
 
     return get
@@ -93,6 +94,58 @@ def test_q8_0_q4_0_and_q4_1_are_repacked_bit_for_bit(name, qtype, fmt, hf_models
         assert np.abs(got - exact).max() < 0.25, np.abs(got - exact).max()
 
 
+@pytest.mark.parametrize("qtype,fmt", [("Q8_0", "int8"), ("Q4_0", "int4s")])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_moe_archs_repack_bit_for_bit(name, qtype, fmt, ggufs, tmp_path):
+    """deepseek2 (MLA) and glm4moe: routed and shared experts and the MLA projections come
+    from the GGUF's blocks unchanged; logits equal those of the GGUF's dequantized values
+    quantized by coli (the same codes: no second rounding)."""
+    g = GGUFModel(ggufs(name, qtype))
+    w = GGUFWeights(g)
+    assert w.quant == fmt
+    t = g.tensors["blk.1.ffn_down_exps.weight"]
+    E, H, I = (int(d) for d in t.shape[::-1])
+    (_, _, down), *_ = w.expert_matrices("model.layers.1.mlp", E, H, I, fmt)
+    size = {"Q8_0": 34, "Q4_0": 18}[qtype]
+    raw = np.asarray(t.data).reshape(E, H, -1, size)[0]
+    assert np.array_equal(down.scales.view(np.uint16), raw[..., :2].copy().view(np.uint16)[..., 0])
+    assert np.array_equal(down.data.view(np.uint8).reshape(H, raw.shape[1], -1), raw[..., 2:])
+    shared = "blk.1.ffn_up_shexp.weight"
+    m = w.matrix("model.layers.1.mlp.shared_experts.up_proj.weight", int(g.tensors[shared].shape[1]),
+                 int(g.tensors[shared].shape[0]))
+    assert np.array_equal(dequantize(m), _dequantized(g.tensors[shared]))
+    ids = prompt_ids(10)
+    got = coli.load(ggufs(name, qtype), threads=1).forward(ids)
+    deq = _rewrite(ggufs(name, qtype), tmp_path / "deq.gguf", lambda n, t: _dequantized(t))
+    assert np.array_equal(got, coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
+
+
+def test_deepseek2_reads_the_older_whole_kv_b(models, ggufs, tmp_path):
+    """GGUFs converted before llama.cpp split kv_b_proj into attn_k_b / attn_v_b keep it whole."""
+    old = write_gguf(models("deepseek_v3"), tmp_path / "old.gguf", "F32", split_kv_b=False)
+    assert "blk.0.attn_kv_b.weight" in GGUFModel(old).tensors
+    assert "blk.0.attn_k_b.weight" in GGUFModel(ggufs("deepseek_v3")).tensors
+    ids = prompt_ids(8)
+    assert np.array_equal(coli.load(old, threads=1).forward(ids), coli.load(ggufs("deepseek_v3"), threads=1).forward(ids))
+
+
+def test_glm4moe_mtp_block_is_skipped(ggufs, models):
+    g = GGUFModel(ggufs("glm4_moe"))
+    cfg = g.config()
+    assert g.get(".block_count") == cfg.num_hidden_layers + 1 and "blk.3.nextn.eh_proj.weight" in g.tensors
+    assert cfg.partial_rotary_factor == 0.5 and cfg.raw["use_qk_norm"] and cfg.raw["n_shared_experts"] == 1
+
+
+def test_deepseek2_with_softmax_gating_is_refused(models, tmp_path):
+    path = write_gguf(models("deepseek_v3"), tmp_path / "v2.gguf", "F32")
+    src = GGUFModel(path)
+    out = _rewrite(path, tmp_path / "soft.gguf", lambda n, t: np.asarray(t.data),
+                   meta=lambda k, v: 1 if k == "deepseek2.expert_gating_func" else v)
+    assert src.get(".expert_gating_func") == 2
+    with pytest.raises(ModelLoadError, match="softmax expert gating .* not supported"):
+        coli.load(out)
+
+
 def test_repack_keeps_q4_0_nibble_order():
     """ggml's Q4_0: byte j of a block = element j (low nibble) | element j + 16 (high) — coli's order."""
     rng = np.random.default_rng(0)
@@ -107,14 +160,14 @@ def _dequantized(t) -> np.ndarray:
     return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
 
 
-def _rewrite(src_path, out, tensor):
+def _rewrite(src_path, out, tensor, meta=None):
     """A copy of a GGUF with every tensor replaced by ``tensor(name, reader_tensor)``
-    (an array, or (bytes, ggml type))."""
+    (an array, or (bytes, ggml type)), and metadata by ``meta(key, value)``."""
     src = GGUFModel(src_path)
     w = gguf.GGUFWriter(str(out), src.arch)
     for key, value in src.meta.items():
         if key != "general.architecture":
-            _add(w, src, key, value)
+            _add(w, src, key, meta(key, value) if meta else value)
     for n, t in src.tensors.items():
         arr = tensor(n, t)
         if isinstance(arr, tuple):
@@ -128,7 +181,7 @@ def _rewrite(src_path, out, tensor):
     return out
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q5_0", "Q5_1"])
 def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp_path):
     """Types coli has no layout for are dequantized (as f32: exactly the GGUF's values) and
     quantized to the closest format by default; near the original checkpoint's logits."""
@@ -138,7 +191,7 @@ def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp
     exact = coli.load(path, threads=1, quant="f32")
     assert np.array_equal(exact.forward(ids), coli.load(deq, threads=1).forward(ids))
     m = coli.load(path, threads=1)
-    fmt = {"F16": "f32"}.get(qtype, "int8")
+    fmt = {"F16": "f32", "BF16": "bf16"}.get(qtype, "int8")
     assert (m.weights.quant, m.weights.head_quant) == (fmt, fmt)
     assert np.array_equal(m.forward(ids), coli.load(deq, threads=1, quant=fmt, head_quant=fmt).forward(ids))
     ref = coli.load(hf_models("llama"), threads=1).forward(ids)
@@ -147,7 +200,9 @@ def test_other_types_are_dequantized_then_quantized(qtype, hf_models, ggufs, tmp
 
 # ggml block types gguf cannot quantize in NumPy: (block bytes, offsets of their fp16 scales)
 K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
-            "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
+            "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)), "IQ3_S": (110, (0,)),
+            "IQ3_XXS": (98, (0,)), "IQ2_S": (82, (0,)), "IQ2_XS": (74, (0,)), "IQ2_XXS": (66, (0,)),
+            "IQ1_S": (50, (0,))}  # (IQ1_M packs its scale into four nibbles: not drawn here)
 
 
 def _random_blocks(rows, cols, qtype, rng):
@@ -250,12 +305,13 @@ def test_bad_gguf_files_are_one_line_errors(ggufs, tmp_path):
         coli.load(tmp_path / "arch.gguf")
 
 
-def test_gguf_moe_converts_and_streams_its_experts(ggufs, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_gguf_moe_converts_and_streams_its_experts(name, ggufs, tmp_path):
     """--ram-budget on a GGUF says to convert it; the converted directory (Q8_0 experts
     repacked as they are) streams within a budget and gives the GGUF's own logits."""
     from coli.weights.convert import convert
 
-    src = ggufs("qwen3_moe", "Q8_0")
+    src = ggufs(name, "Q8_0")
     with pytest.raises(ModelLoadError, match="coli convert .* OUT"):
         coli.load(src, ram_budget="1M")
     ids = prompt_ids(10)
@@ -265,3 +321,45 @@ def test_gguf_moe_converts_and_streams_its_experts(ggufs, tmp_path):
     assert not streamed.weights.store.resident
     assert np.array_equal(streamed.forward(ids), ref)
     assert streamed.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi</user><assistant>"
+
+
+def test_a_sentencepiece_vocabulary_gives_the_hugging_face_ids(tmp_path):
+    """A Llama-2-style vocabulary (SentencePiece BPE: ▁ prefix, byte fallback, scores = -merge
+    rank, CONTROL/UNKNOWN/BYTE token types) written as llama.cpp's `llama` tokenizer model:
+    coli's tokenizer rebuilt from it encodes like the original in transformers."""
+    import json
+
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from coli.weights.gguf_vocab import tokenizer_from_gguf
+    from tests.test_tokenizer import CORPUS, _sentencepiece_json
+
+    src = _sentencepiece_json("llama2")
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(src)["model"]["merges"]]
+    vocab = tokenizers.Tokenizer.from_str(src).get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    rank = {a + b: i for i, (a, b) in enumerate(merges)}
+    control = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0 if t in control or t == "<unk>" else -float(rank.get(t, len(merges) + i))
+                        for i, t in enumerate(tokens)])
+    w.add_token_types([gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.CONTROL if t in control
+                       else gguf.TokenType.BYTE if t.startswith("<0x") else gguf.TokenType.NORMAL for t in tokens])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_unk_token_id(vocab["<unk>"])
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine = tokenizer_from_gguf(GGUFModel(tmp_path / "spm.gguf"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(src), bos_token="<s>", eos_token="</s>")
+    texts = [*CORPUS, "Hello world", " two  spaces", "ünïcödé ☃ 🚀", "<|im_start|>user\nhi<|im_end|>", "tabs\tand\nnewlines"]
+    for text in texts:
+        assert mine.encode(text) == hf.encode(text), text
+    assert mine.encode("hi")[0] == vocab["<s>"] and mine.decode(mine.encode("Hello world")[1:]) == "Hello world"

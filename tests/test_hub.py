@@ -31,6 +31,7 @@ class FakeHub(ThreadingHTTPServer):
         self.repos = repos
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.drop_once: set[str] = set()  # files whose first full GET is cut in the middle
+        self.auth: set[str | None] = set()  # the Authorization headers seen
 
     @property
     def url(self) -> str:
@@ -68,6 +69,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.split("?")[0]
         self.server.log.append((self.command, path, self.headers.get("Range")))
+        self.server.auth.add(self.headers.get("Authorization"))
         parts = path.strip("/").split("/")
         if parts[:2] == ["api", "models"]:
             repo = "/".join(parts[2:4])
@@ -157,9 +159,10 @@ def coli(*args, env, timeout=120):
 
 def test_pull_fetches_only_what_coli_loads_and_resumes_a_dropped_download(hub, repo_files, tmp_path):
     hub.drop_once.add("model-extra.safetensors")
-    e = env(hub.url, tmp_path)
+    e = env(hub.url, tmp_path, HF_TOKEN="hf_test_token")
     r = coli("pull", REPO, env=e)
     assert r.returncode == 0, r.stderr
+    assert hub.auth == {"Bearer hf_test_token"}  # HF_TOKEN on every request, the resumed one too
     snap = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
     for name in ("config.json", "model.safetensors", "model-extra.safetensors", "tokenizer.json",
                  "tokenizer_config.json"):
@@ -234,3 +237,41 @@ def test_hub_failures_are_one_line_exit_2(hub, tmp_path):
     r = coli("pull", REPO, env=env(hub.url, tmp_path, HF_HUB_OFFLINE="1"))
     assert r.returncode == 2 and "offline" in r.stderr, r.stderr
     assert not list((tmp_path / "hf").rglob("*.safetensors"))  # nothing half-written
+
+
+def test_disk_full_keeps_the_partial_download_and_the_next_pull_resumes(hub, repo_files, tmp_path):
+    """A real full disk (a small tmpfs as the Hugging Face cache): one line, exit 2, the
+    partial file kept as blobs/<etag>.incomplete and nothing linked into a snapshot; after
+    freeing space the next pull continues it with a Range request and finishes."""
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(hf_home)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"the disk-full test mounts a tmpfs and needs root (mount said: {r.stderr.strip()})")
+    try:
+        filler = hf_home / "filler"
+        filler.write_bytes(b"\0" * (8 << 20))  # leaves ~8 MB: less than model-extra.safetensors' 12 MB
+        e = env(hub.url, tmp_path)
+        r = coli("pull", REPO, env=e)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "disk full while downloading model-extra.safetensors" in r.stderr and "to resume" in r.stderr
+        repo_dir = hf_home / "hub" / "models--tiny-org--tiny-llama"
+        (partial,) = (repo_dir / "blobs").glob("*.incomplete")
+        kept = partial.stat().st_size
+        extra = repo_files[REPO]["model-extra.safetensors"]
+        assert 0 < kept < len(extra) and partial.read_bytes() == extra[:kept]
+        assert not (repo_dir / "snapshots").exists()  # nothing half-written where a loader would look
+        r = coli("list", "--json", env=e)  # the half-pulled repository is not listed, and breaks nothing
+        assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+        filler.unlink()  # space freed
+        hub.log.clear()
+        r = coli("pull", REPO, env=e)
+        assert r.returncode == 0, r.stderr
+        ranged = [rng for m, p, rng in hub.log if m == "GET" and p.endswith("/model-extra.safetensors")]
+        assert ranged == [f"bytes={kept}-"]  # continued from the kept bytes, not from zero
+        snap = repo_dir / "snapshots" / COMMIT
+        for name in ("model-extra.safetensors", "model.safetensors", "config.json"):
+            assert (snap / name).read_bytes() == repo_files[REPO][name]
+        assert not list(repo_dir.rglob("*.incomplete"))
+    finally:
+        subprocess.run(["umount", str(hf_home)], capture_output=True)

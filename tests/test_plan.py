@@ -134,3 +134,54 @@ def test_a_whole_process_budget_below_the_need_is_refused(big_model, monkeypatch
         check_before_load(big_model, quant="int4", ram_budget=200 << 20)
     plan, experts = check_before_load(big_model, quant="int4", ram_budget=2 << 30)
     assert plan.fits and plan.usable == 2 << 30 and experts is None  # dense: no expert cache to size
+
+
+def _in_new_cgroup(limit: int) -> tuple[Path, str]:
+    """A fresh memory cgroup (v2, else v1) limited to ``limit`` bytes, and the file a shell
+    writes its pid into to join it; skips when this process may not create one."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text():
+        base, limit_file = v2, "memory.max"
+    else:
+        base, limit_file = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+    d = base / f"coli-test-{os.getpid()}"
+    try:
+        d.mkdir()
+        (d / limit_file).write_text(str(limit))
+    except OSError as e:
+        if d.exists():
+            d.rmdir()
+        pytest.skip(f"a real cgroup limit needs root and a writable memory cgroup ({e}); "
+                    "COLI_MEMORY_LIMIT covers the same check")
+    return d, str(d / "cgroup.procs")
+
+
+def test_a_real_cgroup_limit_is_the_usable_memory(big_model):
+    """`coli run` started inside a 1 GiB memory cgroup: the plan reads the limit (v1 or v2,
+    the tightest on the way up) and refuses the 1.3 GB model before reading a weight."""
+    d, procs = _in_new_cgroup(1 << 30)
+    try:
+        e = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+        join = f'echo $$ > {procs} && exec "$@"'
+        r = subprocess.run(["sh", "-c", join, "sh", sys.executable, "-m", "coli.cli", "run", "-m", str(big_model),
+                            "hello"], capture_output=True, text=True, env=e, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "is usable (cgroup limit)" in r.stderr and "try --quant" in r.stderr, r.stderr
+        r = subprocess.run(["sh", "-c", join, "sh", sys.executable, "-m", "coli.cli", "plan", "-m", str(big_model),
+                            "--quant", "int4", "--json"], capture_output=True, text=True, env=e, timeout=120)
+        plan = json.loads(r.stdout)
+        assert r.returncode == 0 and plan["usable_from"] == "cgroup limit" and plan["usable_bytes"] < 1 << 30
+    finally:
+        d.rmdir()
+
+
+def test_a_cluster_worker_checks_memory_before_loading(big_model, monkeypatch):
+    """A Ray worker (the actor class, in process) makes the same plan on its own machine and
+    refuses the model before reading a weight."""
+    from coli.cluster.worker import Worker
+
+    monkeypatch.setenv("COLI_MEMORY_LIMIT", "1G")
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"needs about .* 1.00 GiB is usable \(COLI_MEMORY_LIMIT\); try --quant"):
+        Worker("w0", str(big_model), {"threads": 1})
+    assert time.monotonic() - t0 < 30

@@ -57,7 +57,8 @@ def pull(
 
 @user_errors
 def list_models(as_json: JsonOpt = False) -> None:
-    """List every model coli can see: the Hugging Face cache and coli's converted models.
+    """List every model coli can see: the Hugging Face cache, coli's converted models and the
+    GGUF files loaded by path (-m FILE.gguf).
 
     Columns: name, architecture, parameters (total / active for MoE), format, size on disk,
     and whether it fits in this machine's memory at its format."""
@@ -81,8 +82,8 @@ def _print(items: list[dict], as_json: bool, empty: str, columns: tuple[str, ...
         stderr.print(empty)
         return
     t = Table(box=None, pad_edge=False)
-    for col in columns:
-        t.add_column(col)
+    for i, col in enumerate(columns):
+        t.add_column(col, overflow="fold" if i == 0 else "ellipsis")  # a GGUF's name is its path: shown whole
     for item in items:
         t.add_row(*row(item))
     stdout.print(t)
@@ -113,15 +114,20 @@ def show(name: Annotated[str, typer.Argument(help="A model name from `coli list`
 @user_errors
 def rm(name: Annotated[str, typer.Argument(help="A model name from `coli list`.")],
        yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False) -> None:
-    """Delete a model from the disk (the Hugging Face cache entry or coli's converted directory)."""
+    """Delete a model from the disk (the Hugging Face cache entry or coli's converted directory).
+
+    A GGUF that was loaded by path is only taken off the list: the file stays."""
     from coli.models_cache import find, remove
 
     entry = find(name)
+    mine = entry["source"] == "gguf"  # a GGUF loaded by path: forgotten, the file is the user's
     if not yes:
-        if not typer.confirm(f"delete {entry['name']} ({_size(entry['size'])} at {entry['path']})?", err=True):
+        question = f"remove {entry['name']} from the list (the file stays)?" if mine else \
+            f"delete {entry['name']} ({_size(entry['size'])} at {entry['path']})?"
+        if not typer.confirm(question, err=True):
             raise fail("not deleted", code=1)
     remove(entry)
-    stderr.print(f"deleted {entry['name']}")
+    stderr.print(f"forgot {entry['name']} (the file stays)" if mine else f"deleted {entry['name']}")
 
 
 @user_errors

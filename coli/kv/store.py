@@ -39,10 +39,16 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     checkpoints of one shape trained apart differ in every sample."""
     root = Path(model_dir)
     h = hashlib.sha256(b"coli-model-fingerprint-v1\0")
-    h.update((root / "config.json").read_bytes())
-    if (root / "coli.json").is_file():
-        h.update(b"\0coli.json\0" + (root / "coli.json").read_bytes())
-    for f in sorted([*root.glob("*.safetensors"), *root.glob("*.bin")]):
+    if root.is_file():  # a GGUF: config, tokenizer and weights all in the file (and its split parts)
+        from coli.weights.gguf import split_files
+
+        files = split_files(root)
+    else:
+        h.update((root / "config.json").read_bytes())
+        if (root / "coli.json").is_file():
+            h.update(b"\0coli.json\0" + (root / "coli.json").read_bytes())
+        files = sorted([*root.glob("*.safetensors"), *root.glob("*.bin")])
+    for f in files:
         size = f.stat().st_size
         h.update(f"\0{f.name}\0{size}\0".encode())
         with open(f, "rb") as fh:
@@ -71,7 +77,7 @@ def weight_format(model) -> str:
 def default_state_dir(model_dir: str | os.PathLike, fingerprint: str) -> Path:
     root = Path(model_dir).resolve()
     package = Path(__file__).resolve().parents[1]
-    own = (os.access(root, os.W_OK) and not (Path(model_dir) / "config.json").is_symlink()
+    own = (root.is_dir() and os.access(root, os.W_OK) and not (Path(model_dir) / "config.json").is_symlink()
            and package not in root.parents and root != package)
     if own:
         return root

@@ -3,7 +3,8 @@
 A GGUF holds the whole model in one file (or a split set ``NAME-00001-of-0000N.gguf``):
 key/value metadata (architecture, sizes, tokenizer, chat template) and tensors under
 llama.cpp's names. ``GGUFModel`` opens it (memory-mapped, through the ``gguf``
-package's reader), ``config()`` maps the metadata onto a coli ``ModelConfig`` and
+package's reader), ``config()`` maps the metadata onto a coli ``ModelConfig``
+(coli/weights/gguf_config.py) and
 ``GGUFWeights`` serves its tensors under the Hugging Face names the architecture
 files ask for, undoing what llama.cpp's converter did to them (Llama's q/k row
 permutation, Gemma's ``1 +`` norms).
@@ -29,11 +30,9 @@ from coli._engine import kernels as K
 from coli.config import ModelConfig
 from coli.errors import ModelLoadError
 from coli.quant import check_format, quantize
+from coli.weights.gguf_config import ARCHS, hf_config
 from coli.weights.source import ResidentExperts, Weights, default_head_quant
 
-# llama.cpp architecture -> coli model_type (llama with experts is Mixtral)
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-         "gemma3": "gemma3_text"}
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MAGIC = b"GGUF"
 
@@ -41,6 +40,7 @@ MAGIC = b"GGUF"
 _CLOSEST = {"F32": "f32", "F16": "f32", "BF16": "bf16", "F64": "f32", "Q8_0": "int8", "Q8_1": "int8",
             "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
 REPACK = {"Q8_0": "int8", "Q4_0": "int4s", "Q4_1": "int4"}
+DEQUANT_ROWS = 1024  # rows dequantized at a time (see GGUFWeights._dequant)
 
 
 def closest_format(type_name: str) -> str:
@@ -160,96 +160,6 @@ def open_model(path: str | os.PathLike) -> GGUFModel:
     return _LAST["model"]
 
 
-def hf_config(g: GGUFModel) -> dict:
-    """The GGUF metadata as a Hugging Face config.json dict."""
-
-    def need(key):
-        v = g.get(key)
-        if v is None:
-            raise ModelLoadError(f"{g.path}: metadata {g.arch + key if key.startswith('.') else key} is missing")
-        return v
-
-    T = g.tensors
-    hidden = int(need(".embedding_length"))
-    heads = int(need(".attention.head_count"))
-    kv = g.get(".attention.head_count_kv", heads)
-    if isinstance(kv, list):
-        kv = kv[0]
-    if "token_embd.weight" not in T:
-        raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' is missing")
-    vocab = int(T["token_embd.weight"].shape[-1])  # ggml shape: (cols, rows)
-    n_layers = int(need(".block_count"))
-    raw = {
-        "model_type": ARCHS[g.arch], "hidden_size": hidden, "num_hidden_layers": n_layers,
-        "num_attention_heads": heads, "num_key_value_heads": int(kv), "vocab_size": vocab,
-        "intermediate_size": int(g.get(".feed_forward_length") or 0),
-        "rms_norm_eps": float(g.get(".attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(g.get(".context_length") or 4096),
-        "tie_word_embeddings": "output.weight" not in T,
-        "attention_bias": "blk.0.attn_q.bias" in T, "hidden_act": "silu",
-        "rope_theta": float(g.get(".rope.freq_base", 10000.0)),
-    }
-    if isinstance(raw["intermediate_size"], list):
-        raw["intermediate_size"] = raw["intermediate_size"][0]
-    if g.get(".attention.key_length"):
-        raw["head_dim"] = int(g.get(".attention.key_length"))
-    rope = _rope_scaling(g)
-    if rope:
-        raw["rope_scaling"] = rope
-    if g.get("tokenizer.ggml.eos_token_id") is not None:
-        raw["eos_token_id"] = int(g.get("tokenizer.ggml.eos_token_id"))
-    experts = int(g.get(".expert_count") or 0)
-    if experts:
-        raw.update(num_experts=experts, num_experts_per_tok=int(need(".expert_used_count")),
-                   moe_intermediate_size=int(g.get(".expert_feed_forward_length") or raw["intermediate_size"]))
-        raw["mlp_only_layers"] = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in T]
-    if g.arch == "llama" and experts:
-        raw["model_type"] = "mixtral"
-        raw["num_local_experts"] = raw.pop("num_experts")
-    elif g.arch == "qwen3moe":
-        raw["norm_topk_prob"] = bool(g.get(".expert_weights_norm", True))
-    elif g.arch == "olmoe":
-        raw["norm_topk_prob"] = bool(g.get(".expert_weights_norm", False))
-        if g.get(".attention.clamp_kqv"):
-            raw["clip_qkv"] = float(g.get(".attention.clamp_kqv"))
-    elif g.arch == "gemma3":
-        _gemma3(g, raw)
-    return raw
-
-
-def _rope_scaling(g: GGUFModel) -> dict | None:
-    kind = g.get(".rope.scaling.type")
-    factor = g.get(".rope.scaling.factor")
-    if "rope_freqs.weight" in g.tensors:  # Llama 3.1-style scaling, as per-frequency divisors
-        t = g.tensors["rope_freqs.weight"]
-        return {"rope_type": "default", "freq_factors": [float(x) for x in np.asarray(t.data, np.float32).ravel()]}
-    if not kind or kind == "none" or not factor:
-        return None
-    out = {"rope_type": kind, "factor": float(factor)}
-    orig = g.get(".rope.scaling.original_context_length")
-    if orig:
-        out["original_max_position_embeddings"] = int(orig)
-    return out
-
-
-def _gemma3(g: GGUFModel, raw: dict) -> None:
-    raw["hidden_act"] = "gelu_pytorch_tanh"
-    raw["sliding_window"] = int(g.get(".attention.sliding_window") or 4096)
-    pattern = g.get(".attention.sliding_window_pattern")
-    n = raw["num_hidden_layers"]
-    if isinstance(pattern, list) and len(pattern) == n:  # per layer: true = sliding
-        raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        raw["sliding_window_pattern"] = int(pattern or 6)
-    raw["rope_local_base_freq"] = float(g.get(".rope.local_freq_base") or 10000.0)
-    # llama.cpp's gemma3: 1/sqrt(head_dim), except 1/sqrt(hidden/heads) for the 62-layer 27B
-    hd = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if n == 62 else hd
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if g.get("." + key):
-            raw[key] = float(g.get("." + key))
-
-
 # Hugging Face name -> llama.cpp name, for the names coli's architecture files ask for.
 _LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -257,9 +167,16 @@ _LAYER = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # multi-head latent attention (deepseek2); kv_b_proj is rebuilt from attn_k_b / attn_v_b (GGUFWeights._kv_b)
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+_GLM4MOE_LAYER = {"post_attention_layernorm": "post_attention_norm"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -269,11 +186,14 @@ def gguf_name(arch: str, hf: str) -> str | None:
     base, _, suffix = hf.rpartition(".")
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{suffix}"
+    if hf.endswith(".mlp.gate.e_score_correction_bias"):  # the router's selection bias
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
     m = _HF.match(hf)
     if not m:
         return None
     i, part, suffix = m.groups()
-    table = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else _LAYER
+    table = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else {**_LAYER, **_GLM4MOE_LAYER} if arch == "glm4moe" \
+        else _LAYER
     return f"blk.{i}.{table[part]}.{suffix}" if part in table else None
 
 
@@ -320,6 +240,8 @@ class GGUFWeights(Weights):
 
     def has(self, name: str) -> bool:
         n = gguf_name(self.g.arch, name)
+        if n is not None and n.endswith(".attn_kv_b.weight") and n not in self.g.tensors:
+            return n.replace("attn_kv_b", "attn_k_b") in self.g.tensors
         return n is not None and n in self.g.tensors
 
     def _order(self, hf: str, rows: int) -> np.ndarray | None:
@@ -331,20 +253,36 @@ class GGUFWeights(Weights):
 
     def _f32(self, t) -> np.ndarray:
         """A tensor as float32 in numpy order (rows, cols)."""
-        import gguf
-
         kind = t.tensor_type.name
         if kind == "F32":
             return np.asarray(t.data, dtype=np.float32)
         if kind == "F16":
             return np.asarray(t.data).astype(np.float32)
-        try:
-            return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
-        except NotImplementedError:
-            raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {kind}, which coli "
-                                 "cannot read (gguf has no dequantizer for it)") from None
+        return self._dequant(t, np.asarray(t.data))
+
+    def _kv_b(self, name: str) -> np.ndarray:
+        """MLA's kv_b_proj (nh * (nope + v), kv_lora) as Hugging Face has it. llama.cpp's converter
+        splits it per head into attn_k_b, the nope rows transposed (nh, kv_lora, nope), and
+        attn_v_b (nh, v, kv_lora); GGUFs written before that keep it whole as attn_kv_b."""
+        kb_name = gguf_name(self.g.arch, name).replace("attn_kv_b", "attn_k_b")
+        vb_name = kb_name.replace("attn_k_b", "attn_v_b")
+        if kb_name not in self.g.tensors or vb_name not in self.g.tensors:
+            raise ModelLoadError(f"{self.g.path}: tensors {kb_name!r} and {vb_name!r} (or {gguf_name(self.g.arch, name)!r}) "
+                                 "are missing")
+        kb, vb = self.g.tensors[kb_name], self.g.tensors[vb_name]
+        nope, lora, nh = (int(d) for d in kb.shape)  # ggml order: innermost first
+        k = self._f32(kb).reshape(nh, lora, nope).transpose(0, 2, 1)  # (nh, nope, lora)
+        v = self._f32(vb).reshape(nh, -1, lora)  # (nh, v, lora)
+        return np.concatenate([k, v], axis=1).reshape(-1, lora)
 
     def __call__(self, name: str, *shape: int) -> np.ndarray:
+        gname = gguf_name(self.g.arch, name)
+        if gname and gname.endswith(".attn_kv_b.weight") and gname not in self.g.tensors:
+            arr = self._kv_b(name)
+            if arr.shape != tuple(shape):
+                raise ModelLoadError(f"{self.g.path}: attn_k_b/attn_v_b give kv_b_proj {list(arr.shape)}, "
+                                     f"expected {list(shape)}")
+            return np.ascontiguousarray(arr, dtype=np.float32)
         t = self.g.tensors[self._name(name)]
         arr = self._f32(t)
         if arr.size != int(np.prod(shape)):
@@ -383,13 +321,21 @@ class GGUFWeights(Weights):
         return quantize(np.ascontiguousarray(w, dtype=np.float32), fmt)
 
     def _dequant(self, t, data):
+        """float32 values of raw blocks ``data`` (..., row bytes), DEQUANT_ROWS rows at a time into
+        one output array: gguf's dequantizers keep several float temporaries of their input, so
+        a whole large tensor at once (a 49152 x 576 embedding) would multiply the peak memory."""
         import gguf
 
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        flat = data.reshape(-1, data.shape[-1])
+        out = np.empty((flat.shape[0], flat.shape[1] // size * block), dtype=np.float32)
         try:
-            return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32, copy=False)
+            for i in range(0, len(flat), DEQUANT_ROWS):
+                out[i : i + DEQUANT_ROWS] = gguf.quants.dequantize(flat[i : i + DEQUANT_ROWS], t.tensor_type)
         except NotImplementedError:
             raise ModelLoadError(f"{self.g.path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, "
                                  "which coli cannot read (gguf has no dequantizer for it)") from None
+        return out.reshape(*data.shape[:-1], out.shape[1])
 
     def _stacked(self, prefix: str, part: str):
         i = prefix.split(".")[2]
