@@ -201,35 +201,53 @@ static inline float coli_q16_hsum256(__m256 v) {
 
 /* MR tokens x NR rows, one group per step: its two halves of 16 weights widened to int16
  * and multiplied pairwise (vpmaddwd) with the activations' halves, 8 int32 lanes per
- * group, scaled by weight scale * activation scale. */
+ * group, scaled by weight scale * activation scale. The scales of 8 groups are converted
+ * once per chunk and broadcast from a register per group (with one token its scale is
+ * folded into the weights' per chunk). The weights are widened again for each token
+ * rather than kept: 16 registers hold the accumulators, and the widening runs on a port
+ * the multiply-adds leave idle. */
 #define COLI_Q16TILE(MR, NR)                                                                       \
     static inline void coli_q16tile_##MR##x##NR(const coli_act16 *a, const int8_t *wq, const uint16_t *wd, \
                                                 long ldw, long ldd, int nb, float *Y, long ldy) {  \
         __m256 acc[MR][NR];                                                                        \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                          \
-        for (int b = 0; b < nb; b++) {                                                             \
-            long f = coli_q16_first(b, nb);                                                        \
-            int g = coli_q16_gap(b, nb);                                                           \
-            __m256i w0[NR], w1[NR];                                                                \
-            float dw[NR];                                                                          \
-            if (!(b & 1))                                                                          \
-                for (int j = 0; j < NR; j++)                                                       \
-                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * QK), _MM_HINT_T0);       \
+        for (int c0 = 0; c0 < nb; c0 += 8) {                                                       \
+            int cn = nb - c0 < 8 ? nb - c0 : 8;                                                    \
+            __m256 wsv[NR], xsv[MR];                                                               \
             for (int j = 0; j < NR; j++) {                                                         \
-                const int8_t *p = wq + j * ldw + b * QK;                                           \
-                w0[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));                 \
-                w1[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));         \
-                dw[j] = coli_f16_to_f32(wd[j * ldd + b]);                                          \
+                uint16_t h[8] = {0};                                                               \
+                memcpy(h, wd + j * ldd + c0, cn * sizeof(uint16_t));                               \
+                wsv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));                     \
             }                                                                                      \
             for (int i = 0; i < MR; i++) {                                                         \
-                const int16_t *xp = a->q + i * a->ldq + f;                                         \
-                __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                              \
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + g));                        \
-                float dx = a->qd[i * a->ldb + b];                                                  \
-                for (int j = 0; j < NR; j++) {                                                     \
-                    __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1)); \
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[j] * dx), acc[i][j]); \
+                float f[8] = {0};                                                                  \
+                memcpy(f, a->qd + i * a->ldb + c0, cn * sizeof(float));                            \
+                xsv[i] = _mm256_loadu_ps(f);                                                       \
+            }                                                                                      \
+            if (MR == 1)                                                                           \
+                for (int j = 0; j < NR; j++) wsv[j] = _mm256_mul_ps(wsv[j], xsv[0]);               \
+            for (int b = c0; b < c0 + cn; b++) {                                                   \
+                long f = coli_q16_first(b, nb);                                                    \
+                int g = coli_q16_gap(b, nb);                                                       \
+                __m256i sel = _mm256_set1_epi32(b - c0);                                           \
+                if (!(b & 1))                                                                      \
+                    for (int j = 0; j < NR; j++)                                                   \
+                        _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * QK), _MM_HINT_T0);   \
+                for (int i = 0; i < MR; i++) {                                                     \
+                    const int16_t *xp = a->q + i * a->ldq + f;                                     \
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                          \
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + g));                    \
+                    __m256 xs = MR == 1 ? _mm256_set1_ps(1.0f) : _mm256_permutevar8x32_ps(xsv[i], sel); \
+                    for (int j = 0; j < NR; j++) { /* the rows' 32 bytes stay in L1 across tokens */ \
+                        const int8_t *p = wq + j * ldw + b * QK;                                   \
+                        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));   \
+                        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))); \
+                        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)); \
+                        __m256 ws = _mm256_permutevar8x32_ps(wsv[j], sel);                         \
+                        __m256 sc = MR == 1 ? ws : _mm256_mul_ps(ws, xs);                          \
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i][j]);         \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
