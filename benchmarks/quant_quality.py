@@ -78,9 +78,9 @@ def _kl(v: float) -> str:
 
 
 def _bits(model) -> float:
-    """Bits per weight of the model's matrices (norms, f32 in every format, are a rounding
-    error here): its dense bytes against the f32 model's 4 bytes per value."""
-    return 8.0 * model.engine.resident_bytes()["dense"]
+    """Bytes of the model's weights, experts included (norms and routers, f32 in every
+    format, are a rounding error here); against the f32 model's: bits per weight."""
+    return float(sum(model.engine.resident_bytes().values()))
 
 
 def _row(engine, fmt, head, ref, q, nxt, bits):
