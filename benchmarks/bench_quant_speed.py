@@ -123,6 +123,7 @@ def main() -> None:
 
         src = Path(a.llama_gguf)
         work = Path(a.workdir or src.parent)
+        work.mkdir(parents=True, exist_ok=True)
         f32 = work / (src.stem + ".f32.gguf")
         if not f32.exists():
             L.f32_gguf(src, f32)

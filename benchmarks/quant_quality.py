@@ -111,6 +111,7 @@ def measure_text(path, ids, formats, llama_src=None, llama_types=(), workdir=Non
         from pathlib import Path
 
         work = Path(workdir or Path(llama_src).parent)
+        work.mkdir(parents=True, exist_ok=True)
         f32g = work / (Path(llama_src).stem + ".f32.gguf")
         if not f32g.exists():
             L.f32_gguf(llama_src, f32g)
