@@ -48,12 +48,14 @@ def f32_gguf(src: str | Path, out: str | Path) -> Path:
 
 
 def quantize(f32: str | Path, out: str | Path, kind: str, threads: int = 2) -> Path:
+    import ctypes
+
     import llama_cpp
 
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = FTYPES[kind]
     p.nthread = threads
-    if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), p) != 0:
+    if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(p)) != 0:
         raise RuntimeError(f"llama_model_quantize {kind} failed")
     return Path(out)
 
