@@ -286,8 +286,10 @@ def _dense_bytes(model: DecoderLM) -> int:
             elif hasattr(v, "mat"):  # Linear
                 add(v.mat.data)
                 add(v.mat.scales)
+                add(getattr(v.mat, "mins", None))  # int4's group mins
                 add(getattr(v, "bias", None))
             elif hasattr(v, "data") and hasattr(v, "fmt"):  # QMatrix
                 add(v.data)
                 add(v.scales)
+                add(getattr(v, "mins", None))
     return total

@@ -12,14 +12,16 @@ scale d = w_max / -8 where w_max is the weight of largest magnitude (sign kept),
 q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8).
 int4 and int4s pack two weights per byte: byte i of a group holds element i (low nibble)
 and i + 16 (high).
-The input dimension is zero-padded to a multiple of 32. Activations are quantized to
-int8 groups of 32 on the fly by the kernels (see coli/_engine/simd_q.h).
+The input dimension is zero-padded to a multiple of 32. Activations are quantized on the
+fly by the kernels: to int16 groups of 32 for int8 weights (coli/_engine/simd_q16.h), to
+int8 groups of 32 for int4 and int4s (coli/_engine/simd_q.h).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from coli._engine import kernels as K
+from coli._engine import reference as R
 from coli.errors import InvalidRequestError
 
 FORMATS = ("f32", "bf16", "int8", "int4", "int4s")
@@ -165,10 +167,13 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def reference_qlinear(x: np.ndarray, m: K.QMatrix) -> np.ndarray:
     """What K.qlinear computes, in float64: for int8/int4 the activations are quantized
-    exactly as the kernel does, so only accumulation order differs."""
+    exactly as the kernel does (int16 groups for int8 weights, int8 groups for int4 and
+    int4s), so only accumulation order differs."""
     w = dequantize(m).astype(np.float64)
     if m.format in ("f32", "bf16"):
         return (x.astype(np.float64) @ w.T).astype(np.float32)
+    if m.format == "int8":
+        return (R.dequantize_activations16(*R.quantize_activations16(x), m.cols) @ w.T).astype(np.float32)
     q, d, _ = quantize_activations(x)
     xd = (q.reshape(len(x), -1, QK).astype(np.float64) * d[..., None]).reshape(len(x), -1)[:, : m.cols]
     return (xd @ w.T).astype(np.float32)

@@ -89,8 +89,9 @@ def test_installed_coli_run_answers_from_a_pipe(tmp_path):
 
 def test_int8_stays_within_the_documented_tolerance():
     """docs/QUANTIZATION.md: on the built-in model over the definition prompts of
-    benchmarks/quant_quality.py, int8's relative logit error is <= 6.5% and the mean
-    KL(f32 || int8) of the next-token distributions <= 0.02."""
+    benchmarks/quant_quality.py, int8's relative logit error is <= 4.9% and the mean
+    KL(f32 || int8) of the next-token distributions <= 0.0065 (measured: 4.72%, 0.0060 on
+    every SIMD path; with int8 activations, before int16 ones, it was 4.99% and 0.0067)."""
     texts = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a kind of 'tree'?",
              "What does 'harbor' mean?", "What is 'oak' a kind of?", "What does 'quick' mean?",
              "Give a synonym for 'happy'.", "What does 'mountain' mean?"]
@@ -108,5 +109,5 @@ def test_int8_stays_within_the_documented_tolerance():
         lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
         kl += float((np.exp(lr) * (lr - lq)).sum())
         n += len(r)
-    assert (num / den) ** 0.5 <= 0.065
-    assert kl / n <= 0.02
+    assert (num / den) ** 0.5 <= 0.049
+    assert kl / n <= 0.0065

@@ -300,7 +300,10 @@ def test_moe_experts(M, E, k, H, I, act, fmt):
                 xm = x[m : m + 1]
                 h = R.ACTS[act](reference_qlinear(xm, mats[e][0]).astype(np.float64)) * reference_qlinear(xm, mats[e][1])
                 ref[m] += w[m, j] * reference_qlinear(h.astype(np.float32), mats[e][2])[0]
-    tol = TOL if not fmt.startswith("int4") else dict(atol=1e-4, rtol=1e-4)
+    # the hidden activations are requantized: where the kernel's float32 act(gate) * up and
+    # the twin's differ by an ulp, a value can round to the next step (int16 steps for int8:
+    # max|h| / 32767, ~1e-4 at the output; int8 steps for int4)
+    tol = TOL if fmt in ("f32", "bf16") else dict(atol=5e-4, rtol=2e-4) if fmt == "int8" else dict(atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out, ref, **tol)
     np.testing.assert_array_equal(counts, np.bincount(idx.ravel(), minlength=E))
 

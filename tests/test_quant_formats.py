@@ -90,3 +90,78 @@ def test_version_1_directories_read_int4_as_int4s(tmp_path):
     m = coli.load(old)
     assert m.weights.quant == "int4s"
     np.testing.assert_array_equal(m.forward(ids), want)
+
+
+# ---- int8 weights take int16 activations (coli/_engine/simd_q16.h) ----------------------
+
+@pytest.mark.parametrize("M,K_", [(1, 7), (2, 32), (3, 64), (2, 70), (1, 96), (4, 608), (2, 1055)])
+def test_int16_activations_match_the_twin(M, K_):
+    """Whole groups (the SIMD paths), a partial last group, pairs of groups and an odd last
+    group in the kernels' order; ties round to even; an all-zero group gives zeros, scale 0."""
+    from coli._engine import reference as R
+
+    x = (RNG.standard_normal((M, K_)) * 4).astype(np.float32)
+    if K_ >= 32:
+        x[0, :32] = np.concatenate([[-32767.0], np.arange(31) - 14.5])  # scale 1: ties at the halves
+    if K_ >= 64:
+        x[-1, 32:64] = 0.0
+    kp = K.padded(K_)
+    q, d = np.full((M, kp), 99, np.int16), np.empty((M, kp // 32), np.float32)
+    K.quantize_rows16(x, q, d)
+    rq, rd = R.quantize_activations16(x)
+    np.testing.assert_array_equal(q, rq)
+    np.testing.assert_array_equal(d, rd)
+    # the order is a permutation of whole halves: dequantized, the activations come back
+    back = R.dequantize_activations16(q, d, K_)
+    assert np.all(np.abs(back - x) <= np.repeat(d, 32, axis=1)[:, :K_] * 0.5 + 1e-6 * np.abs(x))
+
+
+@pytest.mark.parametrize("K_", [32, 64, 96, 100, 608, 1000])
+def test_int8_tiles_match_the_twin(K_):
+    """Every tile shape (1-4 tokens x 1-4 rows, and the 4 x 4 loop around them), pairs of
+    groups and an odd last group, against the float64 twin on the same int16 activations."""
+    from coli.quant import reference_qlinear
+
+    w = _weights("heavy", (11, K_))
+    m = quantize(w, "int8")
+    kp = K.padded(K_)
+    x = RNG.standard_normal((9, K_)).astype(np.float32)
+    for M in (1, 2, 3, 4, 5, 9):
+        out = np.empty((M, 11), np.float32)
+        K.qlinear(x[:M], m, out, None, np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32),
+                  np.empty((M, kp // 32), np.int32))
+        np.testing.assert_allclose(out, reference_qlinear(x[:M], m), atol=2e-5, rtol=1e-5)
+
+
+def test_int8_activation_rounding_is_within_int16_steps():
+    """With int16 activations the product differs from the f32-activation product of the same
+    int8 weights by at most half an activation step per value (max|x| / 65534 per group) times
+    |w|: ~1/256 of what int8 activations allowed, and what int8 activations would fail."""
+    K_ = 640
+    w = _weights("normal", (24, K_))
+    m = quantize(w, "int8")
+    wd = dequantize(m).astype(np.float64)
+    x = (RNG.standard_t(3, (5, K_)) * 2).astype(np.float32)  # heavy tails: groups of mixed size
+    kp = K.padded(K_)
+    out = np.empty((5, 24), np.float32)
+    K.qlinear(x, m, out, None, np.empty((5, kp), np.int8), np.empty((5, kp // 32), np.float32),
+              np.empty((5, kp // 32), np.int32))
+    exact = x.astype(np.float64) @ wd.T
+    amax = np.abs(x.reshape(5, -1, 32)).max(-1)  # (5, groups)
+    half_step = np.repeat(amax / 65534.0, 32, axis=1)  # (5, K)
+    bound = half_step @ np.abs(wd).T + 1e-5 * np.abs(exact) + 1e-6
+    assert np.all(np.abs(out - exact) <= bound)
+    half_step8 = np.repeat(amax / 254.0, 32, axis=1)
+    assert np.abs(out - exact).max() < 0.05 * (half_step8 @ np.abs(wd).T).max()
+
+
+def test_int8_prefill_and_decode_agree():
+    """A prompt in one pass (4 x 4 tiles) and token by token (1 x 4 tiles) take the same
+    int16 activations: their logits agree to float rounding."""
+    model = coli.load(quant="int8", threads=1)  # the built-in model
+    eng = model.engine
+    ids = list(range(3, 14))
+    whole = model.forward(ids)
+    cache = eng.new_cache()
+    steps = [eng.step([(cache, [t])])[0].copy() for t in ids]
+    np.testing.assert_allclose(np.stack(steps), whole, atol=2e-4 * np.abs(whole).max(), rtol=0)

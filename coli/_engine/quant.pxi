@@ -1,6 +1,33 @@
 # Included by kernels.pyx: weight matrices in any format (f32, bf16, q8, q4), the
 # quantized linear layer, and the mixture-of-experts kernel built on them.
 
+from libc.stdint cimport int16_t
+
+cdef extern from "simd_q16.h" nogil:
+    ctypedef struct coli_act16:
+        const int16_t *q
+        const float *qd
+        long ldq
+        long ldb
+    void coli_quantize_row_q16(const float *x, int K, int16_t *q, float *d)
+    void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+
+cdef int16_t *_q16 = NULL   # int16 activations of the current int8 GEMM, grown as needed
+cdef size_t _q16_cap = 0
+
+
+cdef int16_t *_q16_scratch(size_t need) except NULL:
+    """Room for ``need`` int16 activations (grown, never shrunk; called with the GIL). int8
+    weights take int16 activations (simd_q16.h); the callers' int8 scratch (xq) is for int4."""
+    global _q16, _q16_cap
+    cdef int16_t *p
+    if need > _q16_cap:
+        p = <int16_t *>realloc(_q16, need * sizeof(int16_t))
+        if p == NULL:
+            raise MemoryError()
+        _q16, _q16_cap = p, need
+    return _q16
+
 FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4A, "int4s": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 
@@ -80,6 +107,18 @@ cdef inline coli_act _activations(const float *x, long ldx, int8_t *q, float *qd
     return a
 
 
+cdef inline coli_act16 _act16(int16_t *q, float *qd, long ldq) noexcept nogil:
+    cdef coli_act16 a
+    a.q, a.qd, a.ldq, a.ldb = q, qd, ldq, ldq // QK
+    return a
+
+
+cdef inline coli_act16 _rows16(coli_act16 a, int off) noexcept nogil:
+    a.q = a.q + off * a.ldq
+    a.qd = a.qd + off * a.ldb
+    return a
+
+
 cdef inline coli_act _rows(coli_act a, int off) noexcept nogil:
     a.x = a.x + off * a.ldx
     a.q = a.q + off * a.ldq
@@ -102,6 +141,30 @@ cdef void _quantize_rows(const float *x, long ldx, int M, int K, int8_t *q, floa
             coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
 
 
+cdef void _quantize_rows16(const float *x, long ldx, int M, int K, int16_t *q, float *qd) noexcept nogil:
+    cdef int m
+    cdef long kp = (K + QK - 1) // QK * QK
+    cdef int nt = _team(<long>M * K * 2)
+    if nt == 1:
+        for m in range(M):
+            coli_quantize_row_q16(x + m * ldx, K, q + m * kp, qd + m * (kp // QK))
+    else:
+        for m in prange(M, num_threads=nt, schedule='static'):
+            coli_quantize_row_q16(x + m * ldx, K, q + m * kp, qd + m * (kp // QK))
+
+
+def quantize_rows16(const float[:, ::1] x, int16_t[:, ::1] q, float[:, ::1] qd):
+    """Activations to int16 groups of 32, as int8 weights take them: q (M, Kp) with each pair
+    of groups in the order b[0:16], b+1[0:16], b[16:32], b+1[16:32] (simd_q16.h), scales qd
+    (M, Kp/32)."""
+    cdef int M = x.shape[0], K = x.shape[1], kp = padded(x.shape[1])
+    if q.shape[0] < M or q.shape[1] != kp or qd.shape[0] < M or qd.shape[1] != kp // QK:
+        raise ValueError("quantize_rows16: shape mismatch")
+    if M:
+        with nogil:
+            _quantize_rows16(&x[0, 0], K, M, K, &q[0, 0], &qd[0, 0])
+
+
 def quantize_rows(const float[:, ::1] x, int8_t[:, ::1] q, float[:, ::1] qd, int32_t[:, ::1] qs):
     """Activations to int8 groups of 32: q (M, Kp), scales qd (M, Kp/32), group sums qs (M, Kp/32)."""
     cdef int M = x.shape[0], K = x.shape[1], kp = padded(x.shape[1])
@@ -114,8 +177,9 @@ def quantize_rows(const float[:, ::1] x, int8_t[:, ::1] q, float[:, ::1] qd, int
 
 def qlinear(x, QMatrix w, out, bias, xq, xqd, xqs):
     """out[M, N] = x @ W.T (+ bias) for W in any format; x, out, bias float32 ndarrays.
-    For int8/int4, x is first quantized into the scratch xq (M, Kp) int8, xqd (M, Kp/32)
-    float32 and xqs (M, Kp/32) int32 (more rows are fine)."""
+    For int4/int4s, x is first quantized into the scratch xq (M, Kp) int8, xqd (M, Kp/32)
+    float32 and xqs (M, Kp/32) int32 (more rows are fine); for int8, into int16 groups
+    (an internal buffer) with their scales in xqd."""
     _qlinear_group(x, (w,), (out,), (bias,), xq, xqd, xqs)
 
 
@@ -135,6 +199,7 @@ cdef struct qgroup:
     # a _qlinear_group call: n matrices, their row blocks numbered first[i] .. first[i+1]-1
     int n, M, K, rb
     coli_act a
+    coli_act16 a16         # int16 activations (int8 weights)
     coli_mat ms[MAX_MANY]
     float *Ys[MAX_MANY]
     const float *Bs[MAX_MANY]
@@ -152,6 +217,8 @@ cdef inline void _qlinear_block(const qgroup *g, int b) noexcept nogil:
     nb = g.Ns[i] - n0 if g.Ns[i] - n0 < g.rb else g.rb
     if g.panels != NULL:
         coli_gemm_tokens_any(g.panels, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
+    elif g.ms[i].fmt == COLI_Q8:
+        coli_gemm_q16(&g.a16, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
     else:
         coli_gemm_any(&g.a, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
     if g.Bs[i] != NULL:
@@ -202,7 +269,12 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
         total += (g.Ns[i] + g.rb - 1) // g.rb
     g.first[n] = total
     g.a = _activations(xp, K, NULL, NULL, NULL, 0, 0)
-    if quant:
+    cdef int16_t *q16 = NULL
+    g.a16 = _act16(NULL, NULL, QK)
+    if fmt == COLI_Q8:
+        q16 = _q16_scratch(<size_t>M * kp)
+        g.a16 = _act16(q16, qdp, kp)
+    elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4)
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
@@ -211,7 +283,9 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     if lde:
         g.a.xe, g.a.lde = _xe_scratch(M * lde), lde
     with nogil:
-        if quant:
+        if q16 != NULL:
+            _quantize_rows16(xp, K, M, K, q16, qdp)
+        elif quant:
             _quantize_rows(xp, K, M, K, qp, qdp, qsp)
         if lde:
             coli_expand_act(&g.a, M, K, fmt, <int8_t *>g.a.xe, lde)
@@ -330,6 +404,8 @@ cdef struct moe_job:
     float *u
     float *y
     coli_act ax, ah        # the gathered inputs and the hidden activations, quantized or not
+    coli_act16 ax16, ah16  # the same as int16 groups, for int8 experts
+    bint q16
     const float *panels
 
 
@@ -340,11 +416,15 @@ cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
     cdef int nb = j.inter - n0 if j.inter - n0 < j.rb else j.rb
     cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
     cdef coli_act sub = _rows(j.ax, off)
+    cdef coli_act16 sub16 = _rows16(j.ax16, off)
     cdef float *g = j.g + <long>off * I
     cdef float *u = j.u + <long>off * I
     if j.poff[e] >= 0:
         coli_gemm_tokens_any(j.panels + <long>j.poff[e] * H, ne, &j.mats[3 * e], n0, nb, H, g, I)
         coli_gemm_tokens_any(j.panels + <long>j.poff[e] * H, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
+    elif j.q16:
+        coli_gemm_q16(&sub16, ne, &j.mats[3 * e], n0, nb, H, g, I)
+        coli_gemm_q16(&sub16, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
     else:
         coli_gemm_any(&sub, ne, &j.mats[3 * e], n0, nb, H, g, I)
         coli_gemm_any(&sub, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
@@ -359,8 +439,11 @@ cdef void _moe_down(const moe_job *j, int item) noexcept nogil:
     cdef int nb = j.H - n0 if j.H - n0 < j.rb else j.rb
     cdef int ne = j.cnt[e], off = j.offs[e], H = j.H, I = j.inter
     cdef coli_act sub = _rows(j.ah, off)
+    cdef coli_act16 sub16 = _rows16(j.ah16, off)
     if j.poff[e] >= 0:
         coli_gemm_tokens_any(j.panels + <long>j.poff[e] * I, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
+    elif j.q16:
+        coli_gemm_q16(&sub16, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
     else:
         coli_gemm_any(&sub, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
 
@@ -423,7 +506,16 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     job.g, job.u, job.y = scratch.g, scratch.u, scratch.y
     job.ax = _activations(xg, H, NULL, NULL, NULL, 0, 0)
     job.ah = _activations(scratch.g, inter, NULL, NULL, NULL, 0, 0)
-    if quant:
+    # int8 experts: int16 activations in one internal buffer, the inputs' and then (after
+    # phase 1 has read them) the hidden activations'
+    job.q16 = table.fmt == COLI_Q8
+    job.ax16 = job.ah16 = _act16(NULL, NULL, QK)
+    cdef int16_t *q16 = NULL
+    if job.q16:
+        q16 = _q16_scratch(<size_t>pairs * (padded(H) if H > inter else padded(inter)))
+        job.ax16 = _act16(q16, scratch.xqd, padded(H))
+        job.ah16 = _act16(q16, scratch.hqd, padded(inter))
+    elif quant:
         job.ax = _activations(xg, H, scratch.xq, scratch.xqd, scratch.xqs, padded(H), padded(H) // QK)
         job.ah = _activations(scratch.g, inter, scratch.hq, scratch.hqd, scratch.hqs, padded(inter),
                               padded(inter) // QK)
@@ -474,7 +566,9 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                 for b in range((H + rb - 1) // rb):
                     it1[n1 + n2] = e * 65536 + b
                     n2 = n2 + 1
-        if quant:
+        if job.q16:
+            _quantize_rows16(xg, H, pairs, H, q16, scratch.xqd)
+        elif quant:
             _quantize_rows(xg, H, pairs, H, scratch.xq, scratch.xqd, scratch.xqs)
         if xe != NULL:
             for e in range(E):
@@ -496,7 +590,9 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         else:
             for it in prange(n1, num_threads=nt, schedule='dynamic'):
                 _moe_up(&job, it1[it])
-        if quant:
+        if job.q16:
+            _quantize_rows16(scratch.g, inter, pairs, inter, q16, scratch.hqd)
+        elif quant:
             _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
         if xe != NULL:
             coli_expand_act(&job.ah, pairs, inter, table.fmt, <int8_t *>job.ah.xe, ldh)

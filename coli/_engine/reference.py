@@ -113,3 +113,36 @@ def head_matmul(x, w):
     nh, b, a = w.shape
     xh = x.reshape(len(x), nh, a).astype(np.float64)
     return np.einsum("hba,mha->mhb", w.astype(np.float64), xh).reshape(len(x), nh * b).astype(np.float32)
+
+
+def q16_order(nb):
+    """Where each value of a row of nb int16 activation groups sits in the kernels' layout
+    (simd_q16.h): each pair of groups (b, b + 1) as b[0:16], b+1[0:16], b[16:32], b+1[16:32],
+    an odd last group as it is. Returns pos (nb * 32,): value k of the row is stored at pos[k]."""
+    k = np.arange(nb * 32)
+    b, t = k // 32, k % 32
+    paired = b < (nb & ~1)
+    return np.where(paired, (b & ~1) * 32 + (t // 16) * 32 + (b & 1) * 16 + t % 16, k)
+
+
+def quantize_activations16(x):
+    """Activations to int16 groups of 32, as int8 weights take them: (q (M, Kp) int16 in the
+    kernels' order, d (M, Kp/32) float32); d = max|x| / 32767, q = round(x * (32767 / max|x|))."""
+    M, K = x.shape
+    kp = (K + 31) // 32 * 32
+    g = np.zeros((M, kp), np.float32)
+    g[:, :K] = x
+    g = g.reshape(M, kp // 32, 32)
+    amax = np.abs(g).max(axis=-1)
+    inv = np.divide(np.float32(32767.0), amax, out=np.zeros_like(amax), where=amax > 0)[..., None]
+    natural = np.rint(g * inv).astype(np.int16).reshape(M, kp)
+    q = np.empty_like(natural)
+    q[:, q16_order(kp // 32)] = natural
+    return q, (amax / np.float32(32767.0)).astype(np.float32)
+
+
+def dequantize_activations16(q, d, K):
+    """The float64 (M, K) activations that quantize_activations16's (q, d) stand for."""
+    M, kp = q.shape
+    natural = q[:, q16_order(kp // 32)].astype(np.float64)
+    return (natural.reshape(M, -1, 32) * d[..., None]).reshape(M, kp)[:, :K]

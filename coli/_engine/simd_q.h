@@ -14,6 +14,8 @@
  *              w = d * nibble + m. 5 bits per weight.             (user-facing name: int4)
  * Kp is K rounded up to 32; padding weights are 0.
  *
+ * (The engine runs Q8 on int16 activations, simd_q16.h; the Q8 x int8 tiles here remain
+ * for coli_gemm_any's callers.)
  * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
  * float scale (and, for Q4's offset, the group's integer sum), so a group's dot
  * product is one integer multiply-add of 32 pairs: AVX512-VNNI / AVX-VNNI
