@@ -26,6 +26,7 @@
 
 #include "cpu_arm.h"
 #include "simd_q.h"
+#include "simd_q16.h"
 
 typedef struct {
     int32_t op, i[7];
@@ -80,13 +81,22 @@ static void gemm(const request *r, int tokens) {
         float *qd = calloc((size_t)M * nb, 4);
         int32_t *qs = calloc((size_t)M * nb, 4);
         coli_act a = {x, q, qd, qs, K, kp, nb};
-        if (fmt >= COLI_Q8) {
+        if (fmt == COLI_Q8) { /* int8 weights take int16 activations (simd_q16.h), as in the engine */
+            int16_t *q16 = calloc((size_t)M * kp, 2);
+            for (int m = 0; m < M; m++) coli_quantize_row_q16(x + (long)m * K, K, q16 + (long)m * kp, qd + (long)m * nb);
+            output(q16, (size_t)M * kp * 2);
+            output(qd, (size_t)M * nb * 4);
+            coli_act16 a16 = {q16, qd, kp, nb};
+            for (int n0 = 0; n0 < N; n0 += split) coli_gemm_q16(&a16, M, &W, n0, N - n0 < split ? N - n0 : split, K, y, N);
+            free(q16);
+        } else if (fmt > COLI_Q8) {
             for (int m = 0; m < M; m++) coli_quantize_row_q8(x + (long)m * K, K, q + (long)m * kp, qd + (long)m * nb, qs + (long)m * nb);
             output(q, (size_t)M * kp);
             output(qd, (size_t)M * nb * 4);
             output(qs, (size_t)M * nb * 4);
         }
-        for (int n0 = 0; n0 < N; n0 += split) coli_gemm_any(&a, M, &W, n0, N - n0 < split ? N - n0 : split, K, y, N);
+        if (fmt != COLI_Q8)
+            for (int n0 = 0; n0 < N; n0 += split) coli_gemm_any(&a, M, &W, n0, N - n0 < split ? N - n0 : split, K, y, N);
         free(q), free(qd), free(qs);
     }
     output(y, (size_t)M * N * 4);
