@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [  # M tokens, N rows, K columns
     (1, 4, 32), (1, 7, 33), (1, 5, 1055), (1, 9, 256), (1, 3, 480), (1, 66, 736),
     (5, 9, 100), (6, 7, 160), (7, 13, 544), (8, 4, 32), (9, 70, 1055), (16, 17, 512),
-    (17, 65, 2080), (33, 5, 96), (40, 130, 608), (64, 8, 1024),
-]
+    (17, 65, 2080), (33, 5, 96), (40, 130, 608), (64, 8, 1024), (70, 13, 544), (97, 66, 1055),
+]  # from 64 tokens on, AVX2 takes the token-lane GEMM (COLI_Q4GEMM8_MIN)
 
 
 def _scratch(M, K_):
@@ -58,7 +58,7 @@ def test_int4_matches_the_twin(threads, fmt, M, N, K_):
 def test_extreme_nibbles_do_not_saturate(threads, fmt):
     """Every weight at nibble 15 and every activation at +-127: the int16 sums of the maddubs
     chains are at their largest (16 products of 15 x 127 = 30480) and must not saturate."""
-    M, N, K_ = 9, 6, 256
+    M, N, K_ = 72, 6, 256  # enough tokens for the AVX2 GEMM
     w = np.ones((N, K_), np.float32)
     w[1] = -1.0
     m = quantize(w, fmt)

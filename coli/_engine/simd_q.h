@@ -101,8 +101,7 @@ static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float 
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define COLI_Q512 1
+#if defined(__AVX512F__)
 /* The four horizontal sums of a, b, c and d, in one 128-bit vector (fewer shuffles than
  * four separate reductions). */
 static inline __m128 coli_hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -117,6 +116,10 @@ static inline __m128 coli_hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                                          12, 8, 4, 0), s));
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define COLI_Q512 1
 
 /* Lane l of a 16-float vector of group values: group c0 + 4 * s + (l >> 2) (Q4, step s of
  * a chunk) or c0 + 2 * s + (l >> 3) (Q8). */
@@ -646,7 +649,10 @@ COLI_QTILES(coli_q4atile, 2)
 #define COLI_Q4GEMM8_TB 4   /* blocks of 8 tokens whose activations one chunk holds: 16 KB */
 #define COLI_Q4GEMM8_NR 64  /* rows whose accumulators stay in one stack block */
 #ifndef COLI_Q4GEMM8_MIN
-#define COLI_Q4GEMM8_MIN 6  /* fewer tokens: the 4 x 4 tiles (or the GEMV tile for one) */
+/* fewer tokens: each token through the one-token tile. The token-lane GEMM sums in another
+ * order, so below this a token gets the same bits alone, in a batch or in a speculative
+ * verification (up to 17 tokens a sequence); prefill chunks take the GEMM. */
+#define COLI_Q4GEMM8_MIN 64
 #endif
 
 /* The activations of 8 tokens (q rows t0 .. t0 + 7; rows past nt are zeros) for groups

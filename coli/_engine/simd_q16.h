@@ -113,17 +113,6 @@ static inline __m512i coli_q16_wpair(const int8_t *p) {
     return _mm512_cvtepi8_epi16(v);
 }
 
-/* The four horizontal sums of a, b, c and d in one vector. */
-static inline __m128 coli_q16_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                         12, 8, 4, 0), s));
-}
-
 /* One group in natural order (the odd last one): sum(w * x) * scale. */
 static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float scale) {
     __m512i d = coli_q16_dot512(_mm512_setzero_si512(), _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)),
@@ -181,7 +170,7 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
             float sums[4];                                                                         \
             __m512 r[4];                                                                           \
             for (int j = 0; j < 4; j++) r[j] = j < NR ? acc[i][j] : _mm512_setzero_ps();           \
-            _mm_storeu_ps(sums, coli_q16_hsum4(r[0], r[1], r[2], r[3]));                           \
+            _mm_storeu_ps(sums, coli_hsum4_512(r[0], r[1], r[2], r[3]));                           \
             for (int j = 0; j < NR; j++) {                                                         \
                 float s = sums[j];                                                                 \
                 if (np < nb)                                                                       \

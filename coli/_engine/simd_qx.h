@@ -21,7 +21,8 @@
  * on (COLI_XT_MIN), up to 8 per tile; the groups after the last whole step are one masked
  * step (zeros past the end, in the weights and in the arranged activations). */
 #if defined(COLI_Q512)
-#define COLI_XT_MIN 2   /* tokens from which coli_gemm_any takes the interleaved tiles */
+#define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
+                        * a token gets the same bits alone, in a batch or in a verification */
 #define COLI_XT_MR 8    /* tokens per interleaved tile */
 /* vectors of 64 bytes per token and step: Q4/Q4A: 8 activation dwords, the scale, 8 * the
  * group sum (int32) and scale * sum (float); Q8: 4 dwords, the scale, 128 * the half-group
@@ -222,11 +223,11 @@ static inline __m512 coli_xt_scales2(const uint16_t *d, long ldd, int g0, int n)
     }
 
 #define COLI_XTILES(NAME, ROLE)                                                                    \
-    ROLE(NAME, 2) ROLE(NAME, 3) ROLE(NAME, 4) ROLE(NAME, 5) ROLE(NAME, 6) ROLE(NAME, 7) ROLE(NAME, 8) \
+    ROLE(NAME, 1) ROLE(NAME, 2) ROLE(NAME, 3) ROLE(NAME, 4) ROLE(NAME, 5) ROLE(NAME, 6) ROLE(NAME, 7) ROLE(NAME, 8) \
     static inline void NAME##_x(int mr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                 long ldw, long ldd, int nb, float *Y, long ldy) {                  \
         switch (mr) {                                                                              \
-        case 1: NAME##_1x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break; /* the one-token tile */   \
+        case 1: NAME##_x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break; /* same bits as in a batch */ \
         case 2: NAME##_x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
         case 3: NAME##_x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
         case 4: NAME##_x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
