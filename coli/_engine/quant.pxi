@@ -277,7 +277,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4)
-    cdef long lde = coli_xe_ld(fmt, M, K) if quant and q16 == NULL else 0  # int8: int16 activations instead
+    cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
     if lde and M * lde > XE_MAX_BYTES:
         lde = 0
     if lde:
@@ -531,8 +531,8 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef int min_rows = PANEL_MIN_ROWS
     cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
     # experts with several tokens take the multi-token tiles: their activations arranged once
-    cdef long ldx = coli_xe_ld(table.fmt, pairs, H) if quant and not job.q16 else 0  # int8: int16 activations
-    cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant and not job.q16 else 0
+    cdef long ldx = coli_xe_ld(table.fmt, pairs, H) if quant else 0
+    cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
     cdef int8_t *xe = NULL
     b = 0
     if ldx and ldh and pairs * (ldx + ldh) <= XE_MAX_BYTES:

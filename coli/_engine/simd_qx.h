@@ -35,8 +35,7 @@ static inline long coli_xe_ld(int fmt, int M, int K) {
     int nb = (K + QK - 1) / QK;
     if (M < COLI_XT_MIN) return 0;
     if (fmt == COLI_Q4 || fmt == COLI_Q4A) return (nb + 3) / 4 * COLI_XE_Q4 * 64L;
-    if (fmt == COLI_Q8) return (nb + 1) / 2 * COLI_XE_Q8 * 64L;
-    return 0;
+    return 0; /* int8 weights take int16 activations (simd_q16.h), never these tiles */
 }
 
 /* xe (64-byte aligned, M rows of lde bytes) = the quantized activations of a, arranged for
