@@ -152,7 +152,20 @@ def mat_dims(m):
 # (M, N not multiples of 4 or 2), K not a multiple of 32, of the vector width, or of the
 # 4-group step of the min term; one K past 256 (bf16 panels are widened in chunks of 256).
 GEMM_SHAPES = [(1, 13, 100, 0), (2, 6, 40, 0), (3, 9, 64, 5), (4, 8, 96, 0), (5, 7, 33, 3), (8, 12, 256, 0),
-               (7, 11, 161, 6), (1, 1, 1, 0), (6, 10, 300, 4)]
+               (7, 11, 161, 6), (1, 1, 1, 0), (6, 10, 300, 4), (3, 5, 200, 2)]
+# the targets whose int8-weight tiles do the scalar tile's float operations in its order
+# (simd_q16.h's plain C, simd_q16_neon.h): their outputs equal R.qlinear16_in_order's bits
+IN_ORDER = {"host", "neon", "neondot", "neoni8mm", "arm-scalar", "neon-clang", "neoni8mm-clang"}
+
+
+def ties(M, K, top):
+    """Activations whose quantization hits round-half-to-even: each group's max |x| is ``top``
+    (the int16 or int8 code range, so 1 / scale is 1) and its other values end in .5; the last
+    row is zeros (scale 0)."""
+    x = (RNG.integers(-top, top, (M, K)) + 0.5).astype(np.float32)
+    x[:, ::32] = top
+    x[-1] = 0.0
+    return x
 TOKEN_SHAPES = [(37, 19, 70, 0), (8, 8, 300, 0), (70, 10, 40, 4), (1, 3, 5, 0)]
 ATTEND_SHAPES = [(4, 2, 64, 64, 37, 0.0), (3, 1, 18, 10, 5, 5.0), (2, 2, 128, 128, 130, 0.0), (1, 1, 7, 3, 1, 0.0)]
 
@@ -162,13 +175,16 @@ def cases():
     out = []
 
     for fmt in CODES:
-        for M, N, K, split in GEMM_SHAPES:
-            x, w = rand(M, K), rand(N, K)
+        shapes = [(M, N, K, split, None) for M, N, K, split in GEMM_SHAPES]
+        if fmt in ("int8", "int4s"):  # their activations: int16 groups, int8 groups
+            shapes += [(5, 6, 200, 0, ties(5, 200, 32767 if fmt == "int8" else 127))]
+        for M, N, K, split, x in shapes:
+            x, w = rand(M, K) if x is None else x, rand(N, K)
             m = quantize(w, fmt)
             ldw, ldd = mat_dims(m)
             req = header(1, (CODES[fmt], M, N, K, ldw, ldd, split)) + x.tobytes() + mat_bytes(m)
 
-            def check(rd, x=x, m=m, M=M, N=N, K=K, fmt=fmt):
+            def check(rd, target, x=x, m=m, M=M, N=N, K=K, fmt=fmt):
                 if fmt == "int8":  # int16 activations, as the engine gives int8 weights
                     q, qd = R.quantize_activations16(x)
                     np.testing.assert_array_equal(rd.take(np.int16, *q.shape), q)
@@ -181,6 +197,9 @@ def cases():
                 y = rd.take(np.float32, M, N)
                 np.testing.assert_allclose(y, reference_qlinear(x, m), **(TOL if fmt in ("f32", "bf16") else QTOL),
                                            err_msg=f"gemm {fmt} M={M} N={N} K={K}")
+                if fmt == "int8" and target in IN_ORDER:  # the same bits whatever the tile and M
+                    np.testing.assert_array_equal(y, R.qlinear16_in_order(q, qd, m.data, m.scales),
+                                                  err_msg=f"gemm int8 M={M} N={N} K={K}: not the scalar tile's bits")
             out.append((req, check))
 
         if fmt not in ("f32", "bf16"):
@@ -188,7 +207,7 @@ def cases():
             m = quantize(w, fmt)
             ldw, ldd = mat_dims(m)
             req = header(4, (CODES[fmt], 5, 70, ldw, ldd)) + mat_bytes(m)
-            out.append((req, lambda rd, m=m: np.testing.assert_array_equal(rd.take(np.float32, 5, 70), dequantize(m))))
+            out.append((req, lambda rd, target, m=m: np.testing.assert_array_equal(rd.take(np.float32, 5, 70), dequantize(m))))
 
     for fmt in ("f32", "bf16"):
         for M, N, K, split in TOKEN_SHAPES:
@@ -196,7 +215,7 @@ def cases():
             m = quantize(w, fmt)
             req = header(2, (CODES[fmt], M, N, K, m.data.shape[1], 0, split)) + x.tobytes() + mat_bytes(m)
 
-            def check(rd, x=x, m=m, M=M, N=N, K=K, fmt=fmt):
+            def check(rd, target, x=x, m=m, M=M, N=N, K=K, fmt=fmt):
                 np.testing.assert_allclose(rd.take(np.float32, M, N), R.linear(x, dequantize(m)), **TOL,
                                            err_msg=f"token panels {fmt} M={M} N={N} K={K}")
             out.append((req, check))
@@ -206,7 +225,7 @@ def cases():
         scale = hd ** -0.5
         req = header(3, (nh, nkv, hd, vd, T), (scale, softcap)) + q.tobytes() + k.tobytes() + v.tobytes()
 
-        def check(rd, q=q, k=k, v=v, nh=nh, nkv=nkv, hd=hd, vd=vd, T=T, scale=scale, softcap=softcap):
+        def check(rd, target, q=q, k=k, v=v, nh=nh, nkv=nkv, hd=hd, vd=vd, T=T, scale=scale, softcap=softcap):
             ref = R.attention(q.reshape(1, -1), [k], [v], np.array([T - 1]), nh, nkv, hd, vd, scale, 0, softcap)
             np.testing.assert_allclose(rd.take(np.float32, nh * vd), ref[0], **TOL,
                                        err_msg=f"attend nh={nh} nkv={nkv} hd={hd} vd={vd} T={T}")
@@ -216,7 +235,7 @@ def cases():
         x, y = rand(n), rand(n)
         req = header(5, (n,), (0.5, -1.5)) + x.tobytes() + y.tobytes()
 
-        def check(rd, x=x, y=y, n=n):
+        def check(rd, target, x=x, y=y, n=n):
             np.testing.assert_allclose(rd.take(np.float32, 1)[0], np.dot(x.astype(np.float64), y), **TOL)
             np.testing.assert_allclose(rd.take(np.float32, n), y * 0.5 + x * -1.5, **TOL)
         out.append((req, check))
@@ -233,7 +252,7 @@ def test_kernels_match_the_numpy_twins(name, build_dir):
     target, against NumPy, over odd shapes."""
     rd = Reader(run(name, build_dir, b"".join(req for req, _ in CASES)))
     for _, check in CASES:
-        check(rd)
+        check(rd, name)
     rd.done()
 
 

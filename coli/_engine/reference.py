@@ -146,3 +146,20 @@ def dequantize_activations16(q, d, K):
     M, kp = q.shape
     natural = q[:, q16_order(kp // 32)].astype(np.float64)
     return (natural.reshape(M, -1, 32) * d[..., None]).reshape(M, kp)[:, :K]
+
+
+def qlinear16_in_order(q, d, wq, wd):
+    """int8 weights x int16 activations with the scalar tile's float operations, in its order
+    (simd_q16.h; the NEON tiles give the same bits): per output, over groups b in turn,
+    acc = acc + float32(exact int32 group sum) * (float32(weight scale) * activation scale).
+    q, d: quantize_activations16's; wq (N, Kp) int8, wd (N, Kp/32) float16. (M, N) float32."""
+    M, kp = q.shape
+    nb = kp // 32
+    x = q[:, q16_order(nb)].reshape(M, nb, 32).astype(np.int64)
+    w = wq.reshape(len(wq), nb, 32).astype(np.int64)
+    sums = np.einsum("mbk,nbk->mnb", x, w).astype(np.float32)  # (M, N, nb), exact below 2^31
+    scales = wd.astype(np.float32)[None, :, :] * d[:, None, :]  # (M, N, nb)
+    acc = np.zeros((M, len(wq)), np.float32)
+    for b in range(nb):
+        acc = acc + sums[:, :, b] * scales[:, :, b]
+    return acc

@@ -15,7 +15,7 @@
  * Kp is K rounded up to 32; padding weights are 0.
  *
  * (The engine runs Q8 on int16 activations, simd_q16.h; the Q8 x int8 tiles here remain
- * for coli_gemm_any's callers.)
+ * for coli_gemm_any's callers: on 64-bit ARM that case is plain C.)
  * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
  * float scale (and, for Q4's offset, the group's integer sum), so a group's dot
  * product is one integer multiply-add of 32 pairs: AVX512-VNNI / AVX-VNNI
@@ -69,8 +69,8 @@ static inline float coli_f16_to_f32(uint16_t h) {
 }
 
 /* Quantize one row of K floats into Kp/32 int8 groups: q = round(x / d), d = max|x| / 127
- * (round half to even, as lrintf). Whole groups go 32 lanes at a time on AVX-512 with the
- * same float operations, so both paths give the same bytes. */
+ * (round half to even, as lrintf). Whole groups go 32 lanes at a time on AVX-512 and NEON
+ * with the same float operations, so every path gives the same bytes. */
 static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s) {
     int nb = (K + QK - 1) / QK, b = 0;
 #if defined(__AVX512F__)
@@ -85,6 +85,21 @@ static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float 
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
         d[b] = amax / 127.0f;
         s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+#elif defined(COLI_NEON) /* |x| max ignoring NaN as the loop below does (fmaxnm), fcvtns = lrintf */
+    for (; b < K / QK; b++) {
+        float32x4_t v[8], m = vdupq_n_f32(0.0f);
+        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k), m = vmaxnmq_f32(m, vabsq_f32(v[k]));
+        float amax = vmaxnmvq_f32(m);
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32x4_t qi[8], sum = vdupq_n_s32(0);
+        for (int k = 0; k < 8; k++) qi[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], inv)), sum = vaddq_s32(sum, qi[k]);
+        int16x8_t h[4];
+        for (int k = 0; k < 4; k++) h[k] = vcombine_s16(vmovn_s32(qi[2 * k]), vmovn_s32(qi[2 * k + 1]));
+        vst1q_s8(q + b * QK, vcombine_s8(vmovn_s16(h[0]), vmovn_s16(h[1])));
+        vst1q_s8(q + b * QK + 16, vcombine_s8(vmovn_s16(h[2]), vmovn_s16(h[3])));
+        d[b] = amax / 127.0f;
+        s[b] = vaddvq_s32(sum);
     }
 #endif
     for (; b < nb; b++) {
@@ -537,9 +552,10 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
     }
 #elif defined(COLI_NEON)
 #include "simd_q_neon.h"
-#else
-/* Scalar fallback: same arithmetic, one pair at a time. */
-#define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
+#endif
+/* Plain C: the fallback tile, same arithmetic one pair at a time (and on NEON the int8 x
+ * int8 one, which the engine does not call: int8 weights take int16 activations). */
+#define COLI_QTILE_C(NAME, IS4, MR, NR)                                                            \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
         for (int i = 0; i < MR; i++)                                                               \
@@ -561,6 +577,8 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
                 Y[i * ldy + j] = acc;                                                              \
             }                                                                                      \
     }
+#if !defined(COLI_QTILE)
+#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_C(NAME, IS4, MR, NR)
 #endif
 
 /* Which tile computes a block: COLI_QTILE_MAIN(NAME, IS4, MR, NR) defines NAME_MRxNR, and

@@ -14,7 +14,8 @@
  *
  * One group's dot product: int8 weights widened to int16 (vpmovsxbw) times the int16
  * activations, pairs summed into int32 (vpdpwssd on AVX-512 VNNI, vpmaddwd + vpaddd on
- * AVX-512BW and AVX2, plain C otherwise). A lane sums at most 4 products, |sum| <
+ * AVX-512BW and AVX2, smull / smlal on 64-bit ARM (simd_q16_neon.h: the scalar tile's bits),
+ * plain C otherwise). A lane sums at most 4 products, |sum| <
  * 4 * 127 * 32767 < 2^24, so its conversion to float is exact; the group's sum is then
  * scaled by (weight scale * activation scale) in float, like the int8 x int8 tiles.
  * Twice the multiplies of int8 activations: decode, bound by memory, barely notices.
@@ -76,6 +77,20 @@ static inline void coli_quantize_row_q16(const float *x, int K, int16_t *q, floa
                                            _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * k + 1], inv)));
             _mm256_storeu_si256((__m256i *)(q + f + k * g), _mm256_permute4x64_epi64(p, 0xD8));
         }
+        d[b] = amax / 32767.0f;
+    }
+#elif defined(COLI_NEON) /* |x| max ignoring NaN as the loop below does (fmaxnm), fcvtns = lrintf */
+    for (; b < K / QK; b++) {
+        float32x4_t v[8], m = vdupq_n_f32(0.0f);
+        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k), m = vmaxnmq_f32(m, vabsq_f32(v[k]));
+        float amax = vmaxnmvq_f32(m);
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        long f = coli_q16_first(b, nb);
+        int g = coli_q16_gap(b, nb);
+        for (int k = 0; k < 4; k++) /* values 8k .. 8k + 7 */
+            vst1q_s16(q + f + (k < 2 ? 8 * k : g + 8 * (k - 2)),
+                      vcombine_s16(vmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * k], inv))),
+                                   vmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * k + 1], inv)))));
         d[b] = amax / 32767.0f;
     }
 #endif
@@ -243,6 +258,8 @@ static inline float coli_q16_hsum256(__m256 v) {
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_q16_hsum256(acc[i][j]);             \
     }
+#elif defined(COLI_NEON)
+#include "simd_q16_neon.h"
 #else
 /* Scalar fallback: the same arithmetic, one pair at a time. */
 #define COLI_Q16TILE(MR, NR)                                                                       \

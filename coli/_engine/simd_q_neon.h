@@ -1,9 +1,11 @@
 /* The quantized tiles of simd_q.h for 64-bit ARM (included from there when COLI_NEON).
  *
  * Same contract as the other paths' COLI_QTILE: MR tokens x NR weight rows of Y = X . W^T
- * for the int8 (Q8), symmetric int4 (Q4, int4s) and asymmetric int4 (Q4A, int4) formats,
- * against activations quantized to int8 groups of 32 (coli_act). One group (32 weights) per
- * step: the NR rows' weights are loaded and unpacked once and used by all MR tokens.
+ * for the symmetric int4 (Q4, int4s) and asymmetric int4 (Q4A, int4) formats, against
+ * activations quantized to int8 groups of 32 (coli_act). One group (32 weights) per step:
+ * the NR rows' weights are loaded and unpacked once and used by all MR tokens. (int8
+ * weights take int16 activations: their NEON tiles are in simd_q16_neon.h; the int8 x int8
+ * case of coli_gemm_any, which the engine does not call, is simd_q.h's plain C.)
  *
  *   int8 x int8 dot of a group   sdot (vdotq_s32) when compiled with +dotprod
  *                                (__ARM_FEATURE_DOTPROD: Apple M1+, Graviton 2+, Cortex-A55/
@@ -35,21 +37,17 @@ static inline int32x4_t coli_dot32_neon(int8x16_t w0, int8x16_t x0, int8x16_t w1
 #endif
 }
 
-/* The 32 weights of group b of a row as two int8x16 (elements 0-15, 16-31). */
+/* The 32 int4 weights of group b of a row as two int8x16 (elements 0-15, 16-31); is4: 1
+ * symmetric (Q4), 2 asymmetric (Q4A). */
 static inline void coli_wgroup_neon(int is4, const uint8_t *row, int b, int8x16_t *w0, int8x16_t *w1) {
-    if (is4) {
-        uint8x16_t raw = vld1q_u8(row + b * 16);
-        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
-        int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
-        if (is4 == 1) { /* symmetric: codes 0..15 stand for -8..7 */
-            lo = vsubq_s8(lo, vdupq_n_s8(8));
-            hi = vsubq_s8(hi, vdupq_n_s8(8));
-        }
-        *w0 = lo, *w1 = hi;
-    } else {
-        *w0 = vld1q_s8((const int8_t *)row + b * 32);
-        *w1 = vld1q_s8((const int8_t *)row + b * 32 + 16);
+    uint8x16_t raw = vld1q_u8(row + b * 16);
+    int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
+    int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+    if (is4 == 1) { /* symmetric: codes 0..15 stand for -8..7 */
+        lo = vsubq_s8(lo, vdupq_n_s8(8));
+        hi = vsubq_s8(hi, vdupq_n_s8(8));
     }
+    *w0 = lo, *w1 = hi;
 }
 
 /* sum over groups b < n of m[b] * qd[b] * qs[b]: the mins' term of one row of Q4A. */
@@ -195,7 +193,7 @@ static inline float32x4_t coli_wscales_neon(const uint16_t *wd, long ldd, int b,
     }
 /* the tile for MR x NR: smmla when both are even, else sdot (or smull); the pasted
  * COLI_QTILE_EVEN_MR_NR names which */
-#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_PICK(NAME, IS4, MR, NR, COLI_QTILE_EVEN_##MR##_##NR)
+#define COLI_QTILE_INT4(NAME, IS4, MR, NR) COLI_QTILE_PICK(NAME, IS4, MR, NR, COLI_QTILE_EVEN_##MR##_##NR)
 #define COLI_QTILE_PICK(NAME, IS4, MR, NR, EVEN) COLI_QTILE_PICK_(NAME, IS4, MR, NR, EVEN)
 #define COLI_QTILE_PICK_(NAME, IS4, MR, NR, EVEN) COLI_QTILE_##EVEN(NAME, IS4, MR, NR)
 #define COLI_QTILE_MMLA2(NAME, IS4, MR, NR) COLI_QTILE_MMLA(NAME, IS4, MR, NR)
@@ -217,7 +215,13 @@ static inline float32x4_t coli_wscales_neon(const uint16_t *wd, long ldd, int b,
 #define COLI_QTILE_EVEN_4_3 DOT
 #define COLI_QTILE_EVEN_4_4 MMLA2
 #else
-#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_DOT_##MR(NAME, IS4, MR, NR)
+#define COLI_QTILE_INT4(NAME, IS4, MR, NR) COLI_QTILE_DOT_##MR(NAME, IS4, MR, NR)
 #endif
+
+/* IS4 0 (int8 weights x int8 activations) is the plain-C COLI_QTILE_C of simd_q.h */
+#define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_NEON_##IS4(NAME, MR, NR)
+#define COLI_QTILE_NEON_0(NAME, MR, NR) COLI_QTILE_C(NAME, 0, MR, NR)
+#define COLI_QTILE_NEON_1(NAME, MR, NR) COLI_QTILE_INT4(NAME, 1, MR, NR)
+#define COLI_QTILE_NEON_2(NAME, MR, NR) COLI_QTILE_INT4(NAME, 2, MR, NR)
 
 #endif /* COLI_SIMD_Q_NEON_H */
