@@ -139,8 +139,24 @@ def _flags_work(compiler, flags):
             return False
 
 
+def _remove_stale_kernels(*package_dirs):
+    """Deletes the compiled coli/_engine/kernels.<suffix> of builds from before run-time
+    dispatch, in the source tree and in the build directory: Python would import it in place
+    of kernels.py (coli/_engine/__init__.py warns when it finds one)."""
+    for d in package_dirs:
+        for pattern in ("kernels.so", "kernels.*.so", "kernels.pyd", "kernels.*.pyd"):  # any Python's
+            for old in glob.glob(os.path.join(d, "coli", "_engine", pattern)):
+                print(f"coli: removing {old}, a kernels module of an old build that shadows kernels.py")
+                os.remove(old)
+
+
 class BuildExt(build_ext):
-    """Adds OpenMP flags when the compiler has OpenMP (see the module docstring)."""
+    """Removes stale kernels modules, adds OpenMP flags when the compiler has OpenMP (see the
+    module docstring)."""
+
+    def run(self):
+        _remove_stale_kernels(".", self.build_lib)  # setup.py runs from its directory (the paths below)
+        super().run()
 
     def finalize_options(self):
         super().finalize_options()
@@ -188,10 +204,6 @@ for _path in targets:
     if not os.path.exists(_stub) or open(_stub).read() != _text:
         with open(_stub, "w") as _f:
             _f.write(_text)
-
-# the single module of builds before run-time dispatch would shadow coli/_engine/kernels.py
-for _old in glob.glob("coli/_engine/kernels.*.so") + glob.glob("coli/_engine/kernels.*.pyd"):
-    os.remove(_old)
 
 extensions = [_kernels(p, f) for p, f in targets.items()]
 extensions.append(Extension("coli._engine._cpu", ["coli/_engine/_cpu.pyx"], include_dirs=["coli/_engine"],
