@@ -1,8 +1,9 @@
 """The ARM (NEON) kernels, tested on an x86 machine: tests/native/kernel_driver.c, which
-runs the engine's C kernels (coli/_engine/simd.h, simd_q.h, simd_q_neon.h) without Python,
-is cross-compiled with Debian's aarch64 toolchain for each ARM path setup.py builds (neon:
-armv8-a; neondot: +dotprod, sdot; neoni8mm: +i8mm, smmla; and the plain-C scalar module)
-and run under qemu-user, and its answers are compared with the NumPy twins. The same
+runs the engine's C kernels (coli/_engine/simd.h, simd_q.h, simd_q_neon.h, simd_q16.h,
+simd_q16_neon.h) without Python, is cross-compiled with Debian's aarch64 toolchain for each
+ARM path setup.py builds (neon: armv8-a; neondot: +dotprod, sdot; neoni8mm: +i8mm, smmla;
+and the plain-C scalar module) and run under qemu-user, and its answers are compared with
+the NumPy twins (the int8 GEMM's bit for bit with the plain-C tile's order). The same
 driver is also compiled for this machine, so the harness itself is checked everywhere.
 
 Needs: apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user (the ARM cases

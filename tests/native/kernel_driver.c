@@ -1,4 +1,4 @@
-/* A stand-alone driver for the engine's C kernels (coli/_engine/simd.h, simd_q.h), so that
+/* A stand-alone driver for the engine's C kernels (coli/_engine/simd.h, simd_q.h, simd_q16.h), so that
  * they can be compiled for another CPU (aarch64-linux-gnu-gcc) and run under an emulator
  * (qemu-aarch64) without Python there. tests/test_neon_qemu.py compiles it for each ARM
  * target (and natively, to check the harness itself on every machine), feeds it the cases
@@ -11,8 +11,10 @@
  *                     bits (1: __ARM_FEATURE_DOTPROD, 2: __ARM_FEATURE_MATMUL_INT8, 4: NEON)
  *   op 1 GEMM      i: fmt M N K ldw ldd split; x f32 (M, K), w (N, ldw) of the format's
  *                  element, d f16 (N, ldd) [quantized], m f16 (N, ldd) [Q4A]
- *                  -> [quantized: q int8 (M, Kp), qd f32 (M, nb), qs int32 (M, nb)] then
- *                     y f32 (M, N): coli_gemm_any over row blocks of `split` rows
+ *                  -> [int8: q int16 (M, Kp) in simd_q16.h's order, qd f32 (M, nb);
+ *                      int4, int4s: q int8 (M, Kp), qd f32 (M, nb), qs int32 (M, nb)] then
+ *                     y f32 (M, N): coli_gemm_q16 (int8) or coli_gemm_any over row blocks
+ *                     of `split` rows
  *   op 2 TOKENS    i: fmt M N K ldw 0 split; x, w as GEMM (f32 / bf16 only)
  *                  -> y f32 (M, N): the token-panel GEMM (prefill)
  *   op 3 ATTEND    i: nh nkv hd vd T; f: scale softcap; q f32 (nh, hd), k f32 (T, nkv, hd),
