@@ -19,7 +19,9 @@ A path whose flags this compiler does not know (an old GCC and +i8mm) is left ou
 warning.
 
 coli/_engine/kernels.py picks one at import time from CPUID (coli/_engine/_cpu.pyx), so one
-build runs at its best on every CPU; COLI_SIMD=<path> forces one (README.md, Building).
+build runs at its best on every CPU; COLI_SIMD=<path> forces one (README.md, Building). A
+coli/_engine/kernels.<suffix> left by a build from before these per-path modules would be
+imported in place of kernels.py: build_ext deletes it (in the tree and the build directory).
 
 Environment switches:
   COLI_NATIVE=1        one module instead, compiled with -march=native (the fastest code for
