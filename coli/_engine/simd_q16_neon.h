@@ -11,9 +11,8 @@
  *
  *     acc[j] = acc[j] + (float)sum[j] * (weight scale[j] * activation scale)
  *
- * a multiply, then an add (no fused multiply-add: GCC compiles the scalar tile's C with
- * -std=c11 without contracting it; clang fuses that expression, so a clang-built scalar
- * module can differ from these in the last bit), groups in order. So every output has the
+ * a multiply, then an add (no fused multiply-add: setup.py compiles the scalar tile's C with
+ * -ffp-contract=off, so neither GCC nor clang fuses that expression), groups in order. So every output has the
  * bits of the scalar tile's, whatever MR, NR and the other tokens of the call: a token gets
  * the same bits alone, in a batch or in a speculative verification. MR = 3 and 4 run as 2 + 1 and
  * 2 + 2 tokens: the 16 widened weight vectors, a token's 4 activation vectors, its 4 chains
