@@ -14,7 +14,8 @@ A decoding entry [next] becomes [next, d1..dk]; the engine returns a logits row 
 history is cut back, the runner truncates the cache to it on the next step), so prefix
 reuse and KV persistence see exactly what decoding without speculation would have left.
 
-Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
+Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; its index is in C,
+coli/speculate/_lookup.pyx; always available),
 ``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
 (the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp, chained
 on its own output for several drafts). ``auto`` takes the best available source and drafts
@@ -32,6 +33,13 @@ back off exponentially (16, 32, ... up to 256 steps) while probes fail. Before a
 of more than one token is measured, the cost model assumes each extra token costs what
 the model's structure says it reads: for a mixture of experts, the experts a new token
 routes to (all of them when experts stream from disk).
+
+What ``auto`` costs where it does not draft (most free generation): per step and request,
+one call into the C index (it takes the new tokens and finds no earlier occurrence of the
+context's suffix), a few attribute reads, and one step in TIME_PLAIN_EVERY timed for the
+cost model (the thread's CPU clock is a system call). Shadow checks, the cost model and
+the acceptance counts run only after a match. A request that does not speculate (``off``,
+constrained, scoring) costs one attribute read.
 """
 from __future__ import annotations
 
@@ -291,12 +299,10 @@ class Speculator:
             return False
         source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
                   "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
-        ctx = [*req.prompt, *g.generated]
         if source != "ngram":
-            return _State(source, adaptive=mode == "auto", ctx=ctx, seen=len(g.generated))
-        lookup = NgramIndex(ctx)
-        lookup.seen = len(g.generated)
-        return _State(source, adaptive=mode == "auto", ctx=None, lookup=lookup)
+            return _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated], seen=len(g.generated))
+        # the index starts with the prompt; its first step takes the output so far
+        return _State(source, adaptive=mode == "auto", ctx=None, lookup=NgramIndex(req.prompt))
 
     def _choose(self, st: _State, m: int, limit: int) -> int:
         """Draft tokens for this request's next step (0: a plain step)."""

@@ -57,7 +57,7 @@ cdef class NgramIndex:
         cdef Py_ssize_t i
         for i in range(self.tcap):
             self.head[i] = -1
-        self.extend(list(context))
+        self.extend(context if type(context) is list else list(context))
 
     def __dealloc__(self):
         free(self.tok)
