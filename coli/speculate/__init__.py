@@ -179,13 +179,15 @@ class Speculator:
             for s in seqs:
                 if s.draft or not s.sample or s.request.prefilling:  # no drafts this step
                     drafted = any(s.draft for s in seqs)
+                    if not drafted and any(s.request.prefilling for s in seqs):
+                        drafted = None  # a prefill step: the cost model does not learn from it
                     break
             else:
                 drafted = self._draft(seqs)
         finally:
             # every step with drafts is timed, plain ones only now and then (their cost changes
             # slowly, and reading the thread's CPU clock is a system call)
-            self._timed = drafted or self._step % TIME_PLAIN_EVERY == 0 or self._step < 32
+            self._timed = drafted or (drafted is not None and (self._step % TIME_PLAIN_EVERY == 0 or self._step < 32))
             self._cpu0 = time.thread_time() if self._timed else None
 
     def _draft(self, seqs: list) -> bool:
@@ -264,8 +266,13 @@ class Speculator:
             return
         cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
         cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
-        if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
-            self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
+        m = 0
+        for s in plan.seqs:
+            if s.request.prefilling and not s.draft:
+                return
+            m += len(s.tokens)
+        if m:
+            self.costs.observe(m, cpu if cpu > 0 else seconds)
 
     def verify(self, req, s, rows, sample):
         """The SeqOutput of an entry with drafts: ``rows`` its logits (one per token),
