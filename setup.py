@@ -1,4 +1,5 @@
-"""Only builds the Cython engine; all metadata lives in pyproject.toml.
+"""Only builds the Cython engine (and prompt lookup's index, coli/speculate/_lookup.pyx);
+all metadata lives in pyproject.toml.
 
 The kernels (coli/_engine/kernels.pyx and its SIMD headers) are compiled once per SIMD
 path, each into its own extension module coli._engine._kernels_<path>:
