@@ -1,4 +1,5 @@
-"""Only builds the Cython engine; all metadata lives in pyproject.toml.
+"""Only builds the Cython engine (and prompt lookup's index, coli/speculate/_lookup.pyx);
+all metadata lives in pyproject.toml.
 
 The kernels (coli/_engine/kernels.pyx and its SIMD headers) are compiled once per SIMD
 path, each into its own extension module coli._engine._kernels_<path>:
@@ -212,6 +213,8 @@ for _path in targets:
 extensions = [_kernels(p, f) for p, f in targets.items()]
 extensions.append(Extension("coli._engine._cpu", ["coli/_engine/_cpu.pyx"], include_dirs=["coli/_engine"],
                             depends=["coli/_engine/cpu_arm.h"], extra_compile_args=base_args))
+# prompt lookup's index (coli.speculate): per-step bookkeeping of speculative decoding, in C
+extensions.append(Extension("coli.speculate._lookup", ["coli/speculate/_lookup.pyx"], extra_compile_args=base_args))
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=min(4, os.cpu_count() or 1)),
       cmdclass={"build_ext": BuildExt})

@@ -104,6 +104,7 @@ class _Generation:
     branches: tuple | None = None  # a batched scoring request: coli.scoring.Questions read after the prompt
     scores: list[float] = field(default_factory=list)
     speculative: str | None = None  # this request's --speculative override (coli.speculate)
+    speculation: object = None  # coli.speculate's state for it, from its first decode step (False: none)
     draft_tokens: int = 0  # speculative tokens verified
     accepted_tokens: int = 0  # ... and accepted
     text_seen: bool = False  # non-whitespace text was produced

@@ -265,3 +265,34 @@ def test_a_broken_loop_ends_every_request(model, runner, monkeypatch):
     assert isinstance(last, Error) and last.code == "engine_error" and "runner stopped" in last.message
     with pytest.raises(SchedulerClosedError):
         r.submit(ids(model, "w3"), max_tokens=2)
+
+
+def test_result_gathers_the_answer_and_when_its_first_and_last_events_came():
+    import threading
+    import time
+
+    from coli.scheduler.core import Request
+    from coli.scheduler.stream import RequestHandle
+
+    h = RequestHandle(Request([1, 2], 3), lambda req: False)
+    prof = Profile(0.5, 1.0, 3, 2, 2)
+    ticks = iter([10.0, 12.5])  # the cpu_clock: read once at Started, once at Finished
+
+    def engine():
+        h.put(Started(0, 2, 0, 0.0, 3))
+        time.sleep(0.05)
+        for ev in (TextDelta("a"), TextDelta("b"), prof, Usage(2, 2, 0, 0.0), Finished("length")):
+            h.put(ev)
+
+    t = threading.Thread(target=engine)
+    before = time.perf_counter()
+    t.start()
+    c = h.result(WAIT, timings=True, cpu_clock=lambda: next(ticks))
+    t.join()
+    assert (c.text, c.finish_reason, c.usage, c.profile) == ("ab", "length", Usage(2, 2, 0, 0.0), prof)
+    tm = c.timings
+    assert before <= tm.started and tm.finished - tm.started >= 0.04 and (tm.started_cpu, tm.finished_cpu) == (10.0, 12.5)
+    plain = RequestHandle(Request([1], 1), lambda req: False)
+    for ev in (Started(0, 1, 0, 0.0, 1), Finished("stop")):
+        plain.put(ev)
+    assert plain.result(WAIT).timings is None  # only when asked

@@ -129,21 +129,18 @@ def test_step_cost_prior_follows_the_expert_share():
 def test_auto_learns_acceptance_from_shadow_drafts_checked_against_the_output():
     from coli.speculate import _check_shadow, _State
 
-    st = _State("ngram", adaptive=True, ctx=[1, 2, 3])
+    st = _State("ngram", adaptive=True, ctx=None)
     st.cls = 0
     before = st.acc.rate
     assert before < 0.5  # a short match waits for evidence
-    st.shadow, st.shadow_at = [4, 5, 6, 7], 3
-    st.ctx += [4, 5]
-    _check_shadow(st)
+    st.shadow = [4, 5, 6, 7]
+    _check_shadow(st, [4, 5])
     assert st.shadow and st.acc.rate == before  # all matched so far: still pending
-    st.ctx += [6, 7]
-    _check_shadow(st)
+    _check_shadow(st, [4, 5, 6, 7])
     assert not st.shadow and st.acc.rate > 0.8  # the whole shadow draft came true
     high = st.acc.rate
-    st.shadow, st.shadow_at = [1, 2], len(st.ctx)
-    st.ctx += [9]
-    _check_shadow(st)
+    st.shadow = [1, 2]
+    _check_shadow(st, [9])
     assert not st.shadow and st.acc.rate < high  # rejected at its first token
     st.cls = 2
     assert st.acc.rate == 0.6  # each match class keeps its own count; a long match starts less doubtful

@@ -14,7 +14,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coli.scheduler.core import Request
-from coli.scheduler.events import Error, Event, Finished, SchedulerError, Started, TextDelta, Usage
+from coli.scheduler.events import Error, Event, Finished, Profile, SchedulerError, Started, TextDelta, Usage
+
+
+@dataclass(frozen=True)
+class Timings:
+    """When the reader got a request's Started and its Finished event (``result(timings=True)``):
+    time.perf_counter() seconds, and the ``cpu_clock`` given to ``result`` (None without one)."""
+
+    started: float
+    finished: float
+    started_cpu: float | None = None
+    finished_cpu: float | None = None
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     started: Started
+    profile: Profile | None = None
+    timings: Timings | None = None
 
 
 class RequestHandle:
@@ -103,22 +116,33 @@ class RequestHandle:
                 ready = self._ready
             await ready.wait()
 
-    def result(self, timeout: float | None = None) -> Completion:
+    def result(self, timeout: float | None = None, *, timings: bool = False,
+               cpu_clock: Callable[[], float] | None = None) -> Completion:
         """Wait for the whole answer; raises the request's SchedulerError (queue_timeout,
-        cancelled, engine_error) or TimeoutError when ``timeout`` seconds pass."""
+        cancelled, engine_error) or TimeoutError when ``timeout`` seconds pass.
+        ``timings``: also note when Started and Finished were read (``Completion.timings``),
+        by time.perf_counter and by ``cpu_clock`` when given (e.g. the runner thread's CPU
+        clock: ``coli.speculate.bench`` measures decode speed so)."""
         end = None if timeout is None else time.monotonic() + timeout
-        text, usage, started = [], None, None
+        text, usage, started, profile, t0, c0 = [], None, None, None, None, None
         for ev in self.events(timeout):
             if isinstance(ev, TextDelta):
                 text.append(ev.text)
             elif isinstance(ev, Usage):
                 usage = ev
+            elif isinstance(ev, Profile):
+                profile = ev
             elif isinstance(ev, Started):
                 started = ev
+                if timings:
+                    t0, c0 = time.perf_counter(), cpu_clock() if cpu_clock is not None else None
             elif isinstance(ev, Error):
                 raise ev.exception()
             elif isinstance(ev, Finished):
-                return Completion("".join(text), ev.finish_reason, usage, started)
+                times = None
+                if timings:
+                    times = Timings(t0, time.perf_counter(), c0, cpu_clock() if cpu_clock is not None else None)
+                return Completion("".join(text), ev.finish_reason, usage, started, profile, times)
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
         raise SchedulerError("the stream ended without a Finished event")

@@ -14,7 +14,8 @@ A decoding entry [next] becomes [next, d1..dk]; the engine returns a logits row 
 history is cut back, the runner truncates the cache to it on the next step), so prefix
 reuse and KV persistence see exactly what decoding without speculation would have left.
 
-Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; always available),
+Draft sources: ``ngram`` (prompt lookup, coli.speculate.ngram; its index is in C,
+coli/speculate/_lookup.pyx; always available),
 ``draft`` (a small model with the same tokenizer, coli.speculate.draft_model), ``mtp``
 (the next-token layers of DeepSeek-V3 / GLM-4.5 checkpoints, coli.speculate.mtp, chained
 on its own output for several drafts). ``auto`` takes the best available source and drafts
@@ -32,18 +33,25 @@ back off exponentially (16, 32, ... up to 256 steps) while probes fail. Before a
 of more than one token is measured, the cost model assumes each extra token costs what
 the model's structure says it reads: for a mixture of experts, the experts a new token
 routes to (all of them when experts stream from disk).
+
+What ``auto`` costs where it does not draft (most free generation): per step and request,
+one call into the C index (it takes the new tokens and finds no earlier occurrence of the
+context's suffix), a few attribute reads, and one step in TIME_PLAIN_EVERY timed for the
+cost model (the thread's CPU clock is a system call). Shadow checks, the cost model and
+the acceptance counts run only after a match. A request that does not speculate (``off``,
+constrained, scoring) costs one attribute read.
 """
 from __future__ import annotations
 
 import os
 import time
-import weakref
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
-from coli.speculate.cost import Acceptance, StepCosts, best_k, floor_slope, prior_slope
+from coli.scheduler.core import ScheduledSeq
+from coli.speculate.cost import Acceptance, StepCosts, best_k, expected_tokens, floor_slope, prior_slope
 from coli.speculate.metrics import SpeculativeMetrics
-from coli.speculate.ngram import NgramDrafter
+from coli.speculate._lookup import NgramIndex
 from coli.speculate.verify import accept_run
 
 MODES = ("auto", "off", "ngram", "mtp", "draft")
@@ -55,8 +63,7 @@ MIN_GAIN = 1.03  # auto: the expected speed-up a verification must promise
 MIN_GAIN_STREAMED = 1.15
 PROBE_AFTER = 16  # auto, switched off: steps until the next trial verification (doubles, up to MAX_BACKOFF)
 MAX_BACKOFF = 256
-TIME_PLAIN_EVERY = 4  # steps without drafts: one in this many is timed for the cost model
-_UNSEEN = object()
+TIME_PLAIN_EVERY = 8  # steps without drafts: one in this many is timed for the cost model (a system call each)
 SHADOW_K = 4  # auto, prompt lookup: tokens of a shadow draft checked against the output
 # ... its acceptance before any check (accepted, rejected), by match class (2-3, 4-7, 8+ tokens):
 # a short match waits for evidence, a long one is trusted sooner (where extra tokens are cheap: at once)
@@ -84,8 +91,9 @@ class _State:
 
     source: str  # "ngram", "draft" or "mtp"
     adaptive: bool  # auto: may switch itself off
-    ctx: list[int]  # prompt + output so far (the drafter's context)
-    ngram: NgramDrafter = field(default_factory=NgramDrafter)
+    ctx: list[int] | None  # a draft model or MTP: prompt + output so far (the drafter's context)
+    seen: int = 0  # ... the request's generated tokens already in ctx
+    lookup: NgramIndex | None = None  # prompt lookup: the context and its index (it keeps its own ``seen``)
     accs: dict[int, Acceptance] = field(default_factory=dict)  # by class of prompt lookup's match length
     cls: int = 0  # the class of the draft (or shadow draft) now out
     shadow: list[int] = field(default_factory=list)  # auto, prompt lookup not drafting: what it would have drafted
@@ -106,8 +114,9 @@ class _State:
 
 
 class Speculator:
-    """One runner's speculation: per-request states (weakly keyed by Request), the step
-    cost model shared by its requests, and the draft model's caches when there is one."""
+    """One runner's speculation: per-request states (each on its request's payload, as
+    ``speculation``), the step cost model shared by its requests, and the draft model's
+    caches when there is one."""
 
     def __init__(self, runner, mode: str, draft=None, max_k: int = MAX_K, fixed_k: int | None = None):
         self.runner, self.mode, self.draft = runner, mode, draft
@@ -117,7 +126,6 @@ class Speculator:
         net = runner.engine.model
         self.costs = StepCosts(prior_slope=prior_slope(net, streamed), floor_slope=floor_slope(net, streamed))
         self.metrics = SpeculativeMetrics.on(runner.metrics.registry)
-        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _State | None
         self.mtp = None  # coli.speculate.mtp.MTPSource when the checkpoint has MTP layers (and mode allows)
         self._step = 0
         self._cpu0: float | None = None  # the runner thread's CPU clock when the step's plan was drafted
@@ -158,49 +166,81 @@ class Speculator:
 
     def extend(self, plan) -> None:
         """Append draft tokens to the plan's decoding entries (in place). Steps that
-        prefill a prompt get none: the prompt's tokens dominate their cost."""
-        if self.mode == "off" and not any(s.request.payload.speculative for s in plan.seqs):
+        prefill a prompt get none: the prompt's tokens dominate their cost. A step in
+        which nothing is drafted costs a few attribute reads and one index lookup per
+        request (its step is timed one in TIME_PLAIN_EVERY times)."""
+        seqs = plan.seqs
+        if self.mode == "off" and not any(s.request.payload.speculative for s in seqs):
             self._timed = False  # nothing in this step may speculate: no work at all
             return
+        self._step += 1
+        drafted = False
         try:
-            self._extend(plan)
+            for s in seqs:
+                if s.draft or not s.sample or s.request.prefilling:  # no drafts this step
+                    drafted = any(s.draft for s in seqs)
+                    if not drafted and any(s.request.prefilling for s in seqs):
+                        drafted = None  # a prefill step: the cost model does not learn from it
+                    break
+            else:
+                drafted = self._draft(seqs)
         finally:
             # every step with drafts is timed, plain ones only now and then (their cost changes
             # slowly, and reading the thread's CPU clock is a system call)
-            self._timed = self._step % TIME_PLAIN_EVERY == 0 or self._step < 32 or any(s.draft for s in plan.seqs)
+            self._timed = drafted or (drafted is not None and (self._step % TIME_PLAIN_EVERY == 0 or self._step < 32))
             self._cpu0 = time.thread_time() if self._timed else None
 
-    def _extend(self, plan) -> None:
-        self._step += 1
-        seqs = plan.seqs
-        if any(s.request.prefilling or not s.sample or s.draft for s in seqs):
-            return
+    def _draft(self, seqs: list) -> bool:
+        """Drafts onto a decode step's entries (``seqs``, in place); True when any got some."""
         m = len(seqs)
-        wanted = []  # (index, state, k): draft-model and MTP requests, drafted together below
+        drafted = False
+        wanted = None  # [(index, state, k)]: draft-model and MTP requests, drafted together below
         for i, s in enumerate(seqs):
             req = s.request
-            st = self._state(req)
-            if st is None or req.cancel_requested:
+            g = req.payload
+            st = g.speculation
+            if st is None:
+                st = g.speculation = self._new_state(req)
+            if not st or req.cancel_requested:
                 continue
+            lookup = st.lookup
+            if lookup is not None:  # prompt lookup: its index takes the new tokens, then looks the suffix up
+                if st.shadow:  # auto: a shadow draft is being checked against the output
+                    if not lookup.take(g.generated):
+                        continue
+                    _check_shadow(st, lookup.tokens(st.shadow_at))
+                    if st.shadow:
+                        continue
+                d = lookup.step(g.generated, self.max_k)  # None (the common case): no earlier occurrence
+                if d is None:
+                    continue
+                limit = min(self.max_k, req.max_tokens - req.generated - 1, self.runner.ctx - s.start - 2)
+                if limit < 1:
+                    continue
+                st.cls = match_class(lookup.match)
+                k = self._choose(st, m, limit)  # a lookup costs next to nothing: look first, then decide
+                if k:
+                    seqs[i] = ScheduledSeq(req, s.slot, s.start, [*s.tokens, *d[:k]], s.sample, k)
+                    m += k
+                    drafted = True
+                elif st.adaptive and self.fixed_k is None:
+                    st.shadow, st.shadow_at = d[:min(SHADOW_K, limit)], len(lookup)
+                continue
+            gen = g.generated
+            if len(gen) != st.seen:  # the tokens emitted since: onto the drafter's context
+                st.ctx += gen[st.seen:]
+                st.seen = len(gen)
             limit = min(self.max_k, req.max_tokens - req.generated - 1, self.runner.ctx - s.start - 2)
             if limit < 1 or (st.adaptive and self.fixed_k is None and self._step < st.off_until):
                 continue
-            if st.source == "ngram":  # a lookup costs next to nothing: look first, then decide how much pays
-                if st.shadow:  # auto: a shadow draft is still being checked against the output
-                    continue
-                d = st.ngram.propose(st.ctx, limit)
-                st.cls = match_class(st.ngram.match)
-                k = self._choose(st, m, len(d)) if d else 0
-                if k:
-                    seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=k)
-                    m += k
-                elif d and st.adaptive and self.fixed_k is None:
-                    st.shadow, st.shadow_at = d[:SHADOW_K], len(st.ctx)
-                continue
             k = self._choose(st, m, limit)
             if k:
+                if wanted is None:
+                    wanted = []
                 wanted.append((i, st, k))
                 m += k
+        if wanted is None:
+            return drafted
         for source in ("draft", "mtp"):
             batch = [(i, st, k) for i, st, k in wanted if st.source == source]
             if not batch:
@@ -210,6 +250,8 @@ class Speculator:
                 if d:
                     s = seqs[i]
                     seqs[i] = replace(s, tokens=[*s.tokens, *d[:k]], draft=len(d[:k]))
+                    drafted = True
+        return drafted
 
     def observe(self, plan, seconds: float) -> None:
         """Learn the step time of a decode step of M tokens (prefill steps are not counted).
@@ -224,8 +266,13 @@ class Speculator:
             return
         cpu = time.thread_time() - self._cpu0 if self._cpu0 is not None else seconds
         cpu += getattr(self.runner.engine.last, "io_wait", 0.0)
-        if plan.seqs and not any(s.request.prefilling for s in plan.seqs if not s.draft):
-            self.costs.observe(sum(len(s.tokens) for s in plan.seqs), cpu if cpu > 0 else seconds)
+        m = 0
+        for s in plan.seqs:
+            if s.request.prefilling and not s.draft:
+                return
+            m += len(s.tokens)
+        if m:
+            self.costs.observe(m, cpu if cpu > 0 else seconds)
 
     def verify(self, req, s, rows, sample):
         """The SeqOutput of an entry with drafts: ``rows`` its logits (one per token),
@@ -233,8 +280,8 @@ class Speculator:
         draft = s.tokens[len(s.tokens) - s.draft:]
         out, rejected = accept_run(draft, rows, lambda row: sample(req, row))
         n = len(out.accepted)
-        st = self._states.get(req)
-        if st is not None:
+        st = req.payload.speculation
+        if st:
             st.acc.record(s.draft, n, rejected)
         g = req.payload
         g.draft_tokens += s.draft
@@ -249,26 +296,20 @@ class Speculator:
         g = req.payload
         return g.score_from is None and (g.speculative or self.mode) in ("auto", "mtp")
 
-    def _state(self, req) -> _State | None:
-        st = self._states.get(req, _UNSEEN)
-        if st is not _UNSEEN:
-            if st is not None:
-                g = req.payload
-                st.ctx.extend(g.generated[len(st.ctx) - len(req.prompt):])  # the tokens emitted since
-                if st.shadow:
-                    _check_shadow(st)
-            return st
+    def _new_state(self, req) -> _State | bool:
+        """A request's speculation state, at its first decode step; False: it does not speculate."""
         g = req.payload
         mode = g.speculative or self.mode
-        st = None
         # constrained answers (coli.grammar) and batched scoring (coli.scoring) do not speculate:
         # their tokens come from a grammar's masks and forced runs, or are not generated at all
-        if mode != "off" and g.score_from is None and g.guided is None and g.branches is None:
-            source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
-                      "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
-            st = _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated])
-        self._states[req] = st
-        return st
+        if mode == "off" or g.score_from is not None or g.guided is not None or g.branches is not None:
+            return False
+        source = ("mtp" if mode == "mtp" or (mode == "auto" and self.mtp is not None) else
+                  "draft" if mode == "draft" or (mode == "auto" and self.draft is not None) else "ngram")
+        if source != "ngram":
+            return _State(source, adaptive=mode == "auto", ctx=[*req.prompt, *g.generated], seen=len(g.generated))
+        # the index starts with the prompt; its first step takes the output so far
+        return _State(source, adaptive=mode == "auto", ctx=None, lookup=NgramIndex(req.prompt))
 
     def _choose(self, st: _State, m: int, limit: int) -> int:
         """Draft tokens for this request's next step (0: a plain step)."""
@@ -277,7 +318,11 @@ class Speculator:
         if st.adaptive and self._step < st.off_until:
             return 0
         cost = 0.0 if st.source == "ngram" else getattr(self, st.source).seconds_per_token
-        k, gain = best_k(st.acc.rate, self.costs, m, limit, cost)
+        a = st.acc.rate
+        if st.adaptive and st.source == "ngram" and \
+                expected_tokens(a, limit) * self.costs(m) < self.min_gain * self.costs(m + 1):
+            return 0  # no k pays (best_k's answer, sooner): t(m + k) >= t(m + 1), and fewer tokens come
+        k, gain = best_k(a, self.costs, m, limit, cost)
         if not st.adaptive:
             return max(1, k)
         if st.source == "ngram":  # shadow drafts keep its acceptance current: no trials needed
@@ -294,11 +339,10 @@ class Speculator:
         return 0
 
 
-def _check_shadow(st: _State) -> None:
-    """Score a pending shadow draft against the tokens emitted since it was made, as a
-    verification of it would have: accepted while they match, rejected at the first
+def _check_shadow(st: _State, new: list[int]) -> None:
+    """Score a pending shadow draft against ``new``, the tokens emitted since it was made,
+    as a verification of it would have: accepted while they match, rejected at the first
     difference. Still pending while every emitted token matched and some are unchecked."""
-    new = st.ctx[st.shadow_at:]
     d = st.shadow
     n = 0
     while n < len(new) and n < len(d) and new[n] == d[n]:

@@ -16,28 +16,18 @@ import time
 from collections.abc import Sequence
 
 from coli.sampling import SamplingParams
-from coli.scheduler.events import Finished, Profile, Started, TextDelta, Usage
+from coli.scheduler.events import Profile
 
 
 def _one(runner, prompt: list[int], max_tokens: int) -> dict:
     h = runner.submit(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0))
-    text, t_start, prof, usage = [], None, None, None
     clock = time.pthread_getcpuclockid(runner._thread.ident)
-    for ev in h.events(600):
-        if isinstance(ev, Started):
-            t_start, c_start = time.perf_counter(), time.clock_gettime(clock)
-        elif isinstance(ev, TextDelta):
-            text.append(ev.text)
-        elif isinstance(ev, Profile):
-            prof = ev
-        elif isinstance(ev, Usage):
-            usage = ev
-        elif isinstance(ev, Finished):
-            t_end, c_end = time.perf_counter(), time.clock_gettime(clock)
-    seconds = max(1e-9, t_end - t_start - prof.prefill_seconds)
+    c = h.result(600, timings=True, cpu_clock=lambda: time.clock_gettime(clock))
+    prof, t = c.profile, c.timings
+    seconds = max(1e-9, t.finished - t.started - prof.prefill_seconds)
     decode_steps = max(1, prof.steps - _prefill_steps(prof, runner))  # (the last prefill step samples too)
-    return dict(text="".join(text), tokens=usage.completion_tokens, seconds=seconds, cpu=max(1e-9, c_end - c_start),
-                steps=decode_steps,
+    return dict(text=c.text, tokens=c.usage.completion_tokens, seconds=seconds,
+                cpu=max(1e-9, t.finished_cpu - t.started_cpu), steps=decode_steps,
                 drafted=prof.draft_tokens, accepted=prof.accepted_tokens)
 
 
