@@ -16,8 +16,10 @@
  * activations, pairs summed into int32 (vpdpwssd on AVX-512 VNNI, vpmaddwd + vpaddd on
  * AVX-512BW and AVX2, plain C otherwise). A lane sums at most 4 products, |sum| <
  * 4 * 127 * 32767 < 2^24, so its conversion to float is exact; the group's sum is then
- * scaled by (weight scale * activation scale) in float, like the int8 x int8 tiles.
- * Twice the multiplies of int8 activations: decode, bound by memory, barely notices.
+ * scaled by (weight scale * activation scale) in float. Twice the multiplies of int8
+ * activations: decode, bound by memory, barely notices. The AVX2 tiles below instead
+ * interleave 4 rows so that each int32 lane sums a whole group (exact in int32) and one
+ * float conversion, scale and fma per token serve 4 rows x 2 groups.
  */
 #ifndef COLI_SIMD_Q16_H
 #define COLI_SIMD_Q16_H
@@ -187,27 +189,26 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
 #define COLI_Q16X 1      /* the interleaved tiles below */
 #define COLI_Q16X_G 2    /* groups per step: one per 128-bit lane */
 #define COLI_Q16X_V 32   /* bytes per vector */
-/* ---- several tokens x 4 rows, rows interleaved in registers (AVX-512, AVX2) -------------
+/* ---- several tokens x 4 rows, rows interleaved in registers (AVX2) ---------------------
  * Lane (L, j) of a vector (128-bit lane L, dword j) belongs to weight row j and group
- * b + L of the step (groups b .. b + G - 1, G = 4 on AVX-512, 2 on AVX2). Per step the 4
- * rows' int8 weights are transposed by 16-bit pairs (8 unpacks per 4 registers) and
- * widened (unpack with itself, arithmetic shift): vector S[p] lane (L, j) = pair p
- * (values 2p, 2p + 1) of row j's group b + L as two int16. Each token's activations come
- * arranged (coli_q16_arrange, once per call): per step, 16 vectors whose lane L holds
- * pair p of the token's group b + L broadcast over its 4 dwords, then the G groups'
- * scales in the same lane order. The 16 multiply-adds of pairs (vpdpwssd / vpmaddwd +
- * vpaddd) leave in each int32 lane one whole (row, group) dot product, exact (|sum| <=
- * 32 * 127 * 32767 < 2^31), so one convert, one scale multiply (weight scale x activation
- * scale) and one fma per token serve 4 rows x G groups: the float work per extra token
- * is a quarter (AVX2) to an eighth (AVX-512) of the plain tiles'. The weights' transpose
- * and widening are paid once per step for up to COLI_Q16X_MR tokens.
+ * b + L of the step (groups b, b + 1). Per step the 4 rows' int8 weights are transposed by
+ * 16-bit pairs (8 unpacks per 4 registers) and widened (unpack with itself, arithmetic
+ * shift): vector S[p] lane (L, j) = pair p (values 2p, 2p + 1) of row j's group b + L as
+ * two int16. Each token's activations come arranged (coli_q16_arrange, once per call, as
+ * each row is quantized): per step, 4 vectors whose lane L holds quarter q (values 8q ..
+ * 8q + 7) of the token's group b + L, then the two groups' scales in lane order; vpshufd
+ * broadcasts pair p over its lane. The 16 vpmaddwd + vpaddd leave in each int32 lane one
+ * whole (row, group) dot product, exact (|sum| <= 32 * 127 * 32767 < 2^31), so one
+ * convert, one scale multiply (weight scale x activation scale) and one fma per token
+ * serve 4 rows x 2 groups, where the plain tiles spent them per row and group. The
+ * weights' transpose and widening are paid once per step for up to COLI_Q16X_MR tokens.
+ * (On AVX-512 the same scheme was slower at one token than the plain tiles: BENCHMARKS.md.)
  *
  * The same bits alone or in any batch: every token, in any tile, any slot of a tile,
  * runs the same operations on its own lanes (integer sums are exact in any order; the
- * float sums run step by step per lane, then over the G lanes of a row in a fixed order),
- * and rows past the last 4 are computed in a tile whose missing rows repeat the last one.
- * The groups after the last whole step are one step with zeros (weights, scales and
- * arranged activations). */
+ * float sums run step by step per lane, then over the 2 lanes of a row), and rows past
+ * the last 4 are computed in a tile whose missing rows repeat the last one. A last odd
+ * group is a step with zeros (weights, scales and arranged activations). */
 #define COLI_Q16X_MR 8  /* tokens per tile */
 #define COLI_Q16X_NV 5  /* vectors per token and step: 4 quarters, then the scales */
 
@@ -226,7 +227,7 @@ static inline __m128i coli_q16_quarter(const int16_t *q, int g, int nb, int qi) 
     return _mm_loadu_si128((const __m128i *)(q + f));
 }
 
-/* xe (M rows of lde bytes, 64-byte aligned) = the int16 activations of a arranged for the
+/* xe (M rows of lde bytes, 32-byte aligned) = the int16 activations of a arranged for the
  * interleaved tiles (see above). */
 static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
     int nb = (K + QK - 1) / QK, ns = (nb + COLI_Q16X_G - 1) / COLI_Q16X_G;
