@@ -66,6 +66,16 @@ def test_each_token_of_a_batch_gets_its_own_result(fmt):
         np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens")
 
 
+def test_int8_rows_get_the_same_bits_in_any_row_tile():
+    """int8 tiles take 4 rows at a time (AVX2: interleaved in registers, the rows past the
+    last 4 in a tile that repeats the last one): a row's result has the same bits whichever
+    tile and slot computes it, so dropping the first r rows shifts the rows' results."""
+    x, w = rand(9, 416), rand(14, 416, scale=0.2)
+    full = _qlinear(x, quantize(w, "int8"))
+    for r in (1, 2, 3, 5):
+        np.testing.assert_array_equal(_qlinear(x, quantize(w[r:].copy(), "int8")), full[:, r:], err_msg=f"from row {r}")
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_extreme_codes_do_not_overflow(fmt):
     """Every weight at the end of its grid and every activation at +-127: the integer sums of
@@ -101,6 +111,28 @@ def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
         K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
                       K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
         np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
+
+
+def test_int8_experts_give_a_token_the_same_bits_alone_or_in_a_batch():
+    """int8 experts: each token's MoE output has the bits of its one-token call (the int16
+    activations and their arrangement are per row, so an expert's batch is its tokens)."""
+    E, k, H, I = 4, 2, 160, 96
+    table = K.ExpertTable(E, H, I, K.FORMATS["int8"])
+    for e in range(E):
+        table.set(e, quantize(rand(I, H, scale=0.2), "int8"), quantize(rand(I, H, scale=0.2), "int8"),
+                  quantize(rand(H, I, scale=0.2), "int8"))
+    M = 11
+    x = rand(M, H)
+    idx = np.stack([RNG.permutation(E)[:k] for _ in range(M)]).astype(np.int32)
+    idx[:6] = [3, 1]  # six tokens share two experts: tiles of several tokens
+    w = rand(M, k, scale=0.5)
+    out = np.empty((M, H), np.float32)
+    K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    for i in range(M):
+        one = np.empty((1, H), np.float32)
+        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
+                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        np.testing.assert_array_equal(out[i], one[0], err_msg=f"token {i}")
 
 
 @pytest.mark.parametrize("fmt", FMTS)

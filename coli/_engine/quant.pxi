@@ -1,7 +1,7 @@
 # Included by kernels.pyx: weight matrices in any format (f32, bf16, q8, q4), the
 # quantized linear layer, and the mixture-of-experts kernel built on them.
 
-from libc.stdint cimport int16_t
+from libc.stdint cimport int16_t, uint8_t
 
 cdef extern from "simd_q16.h" nogil:
     ctypedef struct coli_act16:
@@ -9,7 +9,11 @@ cdef extern from "simd_q16.h" nogil:
         const float *qd
         long ldq
         long ldb
+        const uint8_t *xe
+        long lde
     void coli_quantize_row_q16(const float *x, int K, int16_t *q, float *d)
+    long coli_q16_xe_ld(int M, int K)
+    void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde)
     void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
 
 cdef int16_t *_q16 = NULL   # int16 activations of the current int8 GEMM, grown as needed
@@ -110,12 +114,25 @@ cdef inline coli_act _activations(const float *x, long ldx, int8_t *q, float *qd
 cdef inline coli_act16 _act16(int16_t *q, float *qd, long ldq) noexcept nogil:
     cdef coli_act16 a
     a.q, a.qd, a.ldq, a.ldb = q, qd, ldq, ldq // QK
+    a.xe, a.lde = NULL, 0
     return a
 
 
 cdef inline coli_act16 _rows16(coli_act16 a, int off) noexcept nogil:
     a.q = a.q + off * a.ldq
     a.qd = a.qd + off * a.ldb
+    if a.xe != NULL:
+        a.xe = a.xe + off * a.lde
+    return a
+
+
+cdef coli_act16 _act16_arranged(int16_t *q, float *qd, int M, int K) except *:
+    """int16 activations (M, padded(K)) in q / qd, plus room for their arrangement where
+    this SIMD path's int8 tiles take one (coli_q16_xe_ld; called with the GIL)."""
+    cdef coli_act16 a = _act16(q, qd, padded(K))
+    cdef long lde = coli_q16_xe_ld(M, K)
+    if lde and M:
+        a.xe, a.lde = <const uint8_t *>_xe_scratch(<size_t>M * lde), lde
     return a
 
 
@@ -141,16 +158,23 @@ cdef void _quantize_rows(const float *x, long ldx, int M, int K, int8_t *q, floa
             coli_quantize_row_q8(x + m * ldx, K, q + m * kp, qd + m * (kp // QK), qs + m * (kp // QK))
 
 
-cdef void _quantize_rows16(const float *x, long ldx, int M, int K, int16_t *q, float *qd) noexcept nogil:
+cdef inline void _quantize_row16(const float *x, int K, const coli_act16 *a, int m) noexcept nogil:
+    """Row m of a (its int16 groups and scales, and their arrangement if a has one) from x."""
+    cdef coli_act16 one = _rows16(a[0], m)
+    coli_quantize_row_q16(x, K, <int16_t *>one.q, <float *>one.qd)
+    if one.xe != NULL:
+        coli_q16_arrange(&one, 1, K, <uint8_t *>one.xe, one.lde)
+
+
+cdef void _quantize_rows16(const float *x, long ldx, int M, int K, const coli_act16 *a) noexcept nogil:
     cdef int m
-    cdef long kp = (K + QK - 1) // QK * QK
     cdef int nt = _team(<long>M * K * 2)
     if nt == 1:
         for m in range(M):
-            coli_quantize_row_q16(x + m * ldx, K, q + m * kp, qd + m * (kp // QK))
+            _quantize_row16(x + m * ldx, K, a, m)
     else:
         for m in prange(M, num_threads=nt, schedule='static'):
-            coli_quantize_row_q16(x + m * ldx, K, q + m * kp, qd + m * (kp // QK))
+            _quantize_row16(x + m * ldx, K, a, m)
 
 
 def quantize_rows16(const float[:, ::1] x, int16_t[:, ::1] q, float[:, ::1] qd):
@@ -160,9 +184,11 @@ def quantize_rows16(const float[:, ::1] x, int16_t[:, ::1] q, float[:, ::1] qd):
     cdef int M = x.shape[0], K = x.shape[1], kp = padded(x.shape[1])
     if q.shape[0] < M or q.shape[1] != kp or qd.shape[0] < M or qd.shape[1] != kp // QK:
         raise ValueError("quantize_rows16: shape mismatch")
+    cdef coli_act16 a
     if M:
+        a = _act16(&q[0, 0], &qd[0, 0], kp)
         with nogil:
-            _quantize_rows16(&x[0, 0], K, M, K, &q[0, 0], &qd[0, 0])
+            _quantize_rows16(&x[0, 0], K, M, K, &a)
 
 
 def quantize_rows(const float[:, ::1] x, int8_t[:, ::1] q, float[:, ::1] qd, int32_t[:, ::1] qs):
@@ -273,7 +299,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
     g.a16 = _act16(NULL, NULL, QK)
     if fmt == COLI_Q8:
         q16 = _q16_scratch(<size_t>M * kp)
-        g.a16 = _act16(q16, qdp, kp)
+        g.a16 = _act16_arranged(q16, qdp, M, K)
     elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4)
@@ -284,7 +310,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
         g.a.xe, g.a.lde = _xe_scratch(M * lde), lde
     with nogil:
         if q16 != NULL:
-            _quantize_rows16(xp, K, M, K, q16, qdp)
+            _quantize_rows16(xp, K, M, K, &g.a16)
         elif quant:
             _quantize_rows(xp, K, M, K, qp, qdp, qsp)
         if lde:
@@ -513,8 +539,13 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef int16_t *q16 = NULL
     if job.q16:
         q16 = _q16_scratch(<size_t>pairs * (padded(H) if H > inter else padded(inter)))
-        job.ax16 = _act16(q16, scratch.xqd, padded(H))
-        job.ah16 = _act16(q16, scratch.hqd, padded(inter))
+        # (their arrangements share one buffer too)
+        job.ax16 = _act16_arranged(q16, scratch.xqd, pairs, H if H > inter else inter)
+        job.ah16 = job.ax16
+        job.ax16.ldq, job.ax16.ldb = padded(H), padded(H) // QK
+        job.ax16.lde = coli_q16_xe_ld(pairs, H)
+        job.ah16.qd, job.ah16.ldq, job.ah16.ldb = scratch.hqd, padded(inter), padded(inter) // QK
+        job.ah16.lde = coli_q16_xe_ld(pairs, inter)
     elif quant:
         job.ax = _activations(xg, H, scratch.xq, scratch.xqd, scratch.xqs, padded(H), padded(H) // QK)
         job.ah = _activations(scratch.g, inter, scratch.hq, scratch.hqd, scratch.hqs, padded(inter),
@@ -567,7 +598,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                     it1[n1 + n2] = e * 65536 + b
                     n2 = n2 + 1
         if job.q16:
-            _quantize_rows16(xg, H, pairs, H, q16, scratch.xqd)
+            _quantize_rows16(xg, H, pairs, H, &job.ax16)
         elif quant:
             _quantize_rows(xg, H, pairs, H, scratch.xq, scratch.xqd, scratch.xqs)
         if xe != NULL:
@@ -591,7 +622,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
             for it in prange(n1, num_threads=nt, schedule='dynamic'):
                 _moe_up(&job, it1[it])
         if job.q16:
-            _quantize_rows16(scratch.g, inter, pairs, inter, q16, scratch.hqd)
+            _quantize_rows16(scratch.g, inter, pairs, inter, &job.ah16)
         elif quant:
             _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
         if xe != NULL:

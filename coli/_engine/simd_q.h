@@ -14,9 +14,8 @@
  *              w = d * nibble + m. 5 bits per weight.             (user-facing name: int4)
  * Kp is K rounded up to 32; padding weights are 0.
  *
- * (The engine runs Q8 on int16 activations, simd_q16.h; the Q8 x int8 tiles here remain
- * for coli_gemm_any's callers: on 64-bit ARM that case is plain C.)
- * For Q8/Q4 the activations are quantized on the fly to int8 groups of 32 with a
+ * Q8 weights take int16 activations (simd_q16.h, coli_gemm_q16), never the tiles here.
+ * For Q4 the activations are quantized on the fly to int8 groups of 32 with a
  * float scale (and, for Q4's offset, the group's integer sum), so a group's dot
  * product is one integer multiply-add of 32 pairs: AVX512-VNNI / AVX-VNNI
  * dpbusd where the CPU has it, AVX2 maddubs otherwise, on 64-bit ARM sdot / smmla or
@@ -40,7 +39,7 @@ typedef struct {
     long ldd;           /* scales per row */
 } coli_mat;
 
-/* Activations for one GEMM: float rows, plus their int8 quantization for Q8/Q4. */
+/* Activations for one GEMM: float rows, plus their int8 quantization for Q4/Q4A. */
 typedef struct {
     const float *x;     /* (M, ldx) */
     const int8_t *q;    /* (M, ldq) int8, Kp columns */
@@ -193,47 +192,6 @@ static inline __m512i coli_lane_groups(int shift) {
             }                                                                                      \
             if (MR == 1)                                                                           \
                 for (int j = 0; j < NR; j++) wsv[j] = _mm512_mul_ps(wsv[j], xsv[0]);
-
-/* Q8 on AVX-512: two groups (64 weights) per step, weights and activations in natural
- * order, so lanes 0-7 hold group b and lanes 8-15 group b + 1. dpbusd multiplies unsigned
- * by signed bytes, so the weights go in as w + 128 (one xor with 0x80): the products then
- * carry 128 * sum(x) per group, which is taken out like Q4's offset, as one correction per
- * group from the activations' group sums, summed per chunk into cor. */
-#define COLI_Q8TILE512(NAME, MR, NR)                                                                \
-    static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
-                                          long ldw, long ldd, int nb, float *Y, long ldy) {         \
-        __m512 acc[MR][NR], cor[MR][NR];                                                           \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = cor[i][j] = _mm512_setzero_ps();              \
-        const __m512i pat = coli_lane_groups(3), flip = _mm512_set1_epi8((char)0x80);              \
-        int b = 0;                                                                                 \
-        for (int c0 = 0; c0 + 2 <= nb; c0 += 16) {                                                 \
-            COLI_QCHUNK512(MR, NR, 2, 128.0f, 0)                                                      \
-            for (b = c0; b + 2 <= c0 + cn; b += 2) {                                               \
-                __m512i sel = _mm512_add_epi32(pat, _mm512_set1_epi32(b - c0));                    \
-                __m512i w[NR];                                                                     \
-                __m512 ws[NR];                                                                     \
-                /* the rows of the next tile, one cache line per row per step: they arrive      \
-                   while this tile computes */                                                    \
-                for (int j = 0; j < NR; j++)                                                       \
-                    _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 32), _MM_HINT_T0);       \
-                for (int j = 0; j < NR; j++) {                                                     \
-                    w[j] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wq + j * ldw + b * 32)), flip); \
-                    ws[j] = _mm512_permutexvar_ps(sel, wsv[j]);                                    \
-                }                                                                                  \
-                for (int i = 0; i < MR; i++) {                                                     \
-                    __m512i x = _mm512_loadu_si512((const void *)(a->q + i * a->ldq + b * 32));    \
-                    __m512 xs = MR == 1 ? _mm512_set1_ps(1.0f) : _mm512_permutexvar_ps(sel, xsv[i]); \
-                    for (int j = 0; j < NR; j++) {                                                 \
-                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], x);          \
-                        __m512 sc = MR == 1 ? ws[j] : _mm512_mul_ps(ws[j], xs);                    \
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i][j]);         \
-                    }                                                                              \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        COLI_QTILE512_END(NAME, MR, NR, 32)                                                          \
-    }
 
 /* Q4 on AVX-512: four groups (128 weights, 64 bytes of a row) per step. In one 64-byte
  * load each 128-bit lane is one group's 16 bytes, so its low nibbles are that group's
@@ -514,7 +472,7 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
     }
 #endif
 
-/* MR tokens x NR rows of a quantized GEMM; IS4: 0 Q8, 1 Q4, 2 Q4A (asymmetric: its mins
+/* MR tokens x NR rows of a quantized GEMM; IS4: 1 Q4, 2 Q4A (asymmetric: its mins
  * times the groups' activation sums added as floats, in ca). */
 #define COLI_QTILE(NAME, IS4, MR, NR)                                                              \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
@@ -527,10 +485,9 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
             __m256i w[NR];                                                                         \
             float dw[NR];                                                                          \
             for (int j = 0; j < NR; j++) /* the next tile's rows arrive while this one computes */ \
-                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * (IS4 ? 16 : 32)), _MM_HINT_T0); \
+                _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * 16), _MM_HINT_T0);           \
             for (int j = 0; j < NR; j++) {                                                         \
-                w[j] = IS4 ? coli_unpack_q4(wq + j * ldw + b * 16)                                 \
-                           : _mm256_loadu_si256((const __m256i *)(wq + j * ldw + b * 32));         \
+                w[j] = coli_unpack_q4(wq + j * ldw + b * 16);                                      \
                 dw[j] = coli_f16_to_f32(wd[j * ldd + b]);                                          \
             }                                                                                      \
             for (int i = 0; i < MR; i++) {                                                         \
@@ -538,8 +495,7 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
                 float dx = a->qd[i * a->ldb + b];                                                  \
                 __m256i bs = _mm256_set1_epi32(IS4 == 1 ? a->qs[i * a->ldb + b] : 0);              \
                 for (int j = 0; j < NR; j++) {                                                     \
-                    __m256i d = IS4 ? _mm256_sub_epi32(coli_dot_u8s8(w[j], x), bs)                 \
-                                    : coli_dot_u8s8(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j])); \
+                    __m256i d = _mm256_sub_epi32(coli_dot_u8s8(w[j], x), bs);                      \
                     acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[j] * dx), \
                                                 acc[i][j]);                                        \
                     if (IS4 == 2)                                                                  \
@@ -553,8 +509,7 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 #elif defined(COLI_NEON)
 #include "simd_q_neon.h"
 #endif
-/* Plain C: the fallback tile, same arithmetic one pair at a time (and on NEON the int8 x
- * int8 one, which the engine does not call: int8 weights take int16 activations). */
+/* Plain C: the fallback tile, same arithmetic one pair at a time. */
 #define COLI_QTILE_C(NAME, IS4, MR, NR)                                                            \
     static inline void NAME##_##MR##x##NR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                           long ldw, long ldd, int nb, float *Y, long ldy) {         \
@@ -565,9 +520,8 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
                     const int8_t *x = a->q + i * a->ldq + b * 32;                                  \
                     int32_t dot = 0;                                                               \
                     for (int t = 0; t < 32; t++) {                                                 \
-                        int wv = IS4 ? ((t < 16 ? (wq[j * ldw + b * 16 + t] & 15)                  \
-                                                : (wq[j * ldw + b * 16 + t - 16] >> 4)) - (IS4 == 1 ? 8 : 0)) \
-                                     : (int)((const int8_t *)wq)[j * ldw + b * 32 + t];            \
+                        int wv = (t < 16 ? (wq[j * ldw + b * 16 + t] & 15)                         \
+                                         : (wq[j * ldw + b * 16 + t - 16] >> 4)) - (IS4 == 1 ? 8 : 0); \
                         dot += wv * x[t];                                                          \
                     }                                                                              \
                     acc += (float)dot * (coli_f16_to_f32(wd[j * ldd + b]) * a->qd[i * a->ldb + b]); \
@@ -585,12 +539,10 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
  * NAME_tail is the one-group-at-a-time tile the wide ones hand their last groups to. */
 #if defined(COLI_Q512)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE512_##IS4(NAME, MR, NR)
-#define COLI_QTILE512_0(NAME, MR, NR) COLI_Q8TILE512(NAME, MR, NR)
 #define COLI_QTILE512_1(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR, 0)
 #define COLI_QTILE512_2(NAME, MR, NR) COLI_Q4TILE512(NAME, MR, NR, 1)
 #elif defined(__AVX2__)
 #define COLI_QTILE_MAIN(NAME, IS4, MR, NR) COLI_QTILE256_##IS4(NAME, MR, NR)
-#define COLI_QTILE256_0(NAME, MR, NR) COLI_QTILE(NAME, 0, MR, NR)
 #if defined(COLI_Q4GEMV256_OK) /* COLI_Q4GEMV256 per token (and coli_q4gemm8 from 6 tokens) */
 #define COLI_QTILE256_1(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 0)
 #define COLI_QTILE256_2(NAME, MR, NR) COLI_Q4TILE256_##MR(NAME, NR, 1)
@@ -657,7 +609,6 @@ static inline __m128 coli_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
         }                                                                                          \
     }
 
-COLI_QTILES(coli_q8tile, 0)
 COLI_QTILES(coli_q4tile, 1)
 COLI_QTILES(coli_q4atile, 2)
 
@@ -962,7 +913,8 @@ static inline void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W
         coli_gemm_tokens(P, M, (const float *)W->w + (long)n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
 }
 
-/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, any format. K: logical columns. */
+/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb: f32, bf16, Q4 or Q4A weights (Q8 takes
+ * int16 activations: coli_gemm_q16, simd_q16.h). K: logical columns. */
 static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K,
                                  float *Y, long ldy) {
     if (W->fmt == COLI_F32) {
@@ -995,10 +947,8 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
                     const uint16_t *d4 = wd + n * W->ldd, *m4 = wm ? wm + n * W->ldd : NULL;
                     if (W->fmt == COLI_Q4A)
                         coli_q4atile_x(mr, &sub, w4, d4, m4, W->ldw, W->ldd, ngroups, y, ldy);
-                    else if (W->fmt == COLI_Q4)
-                        coli_q4tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
                     else
-                        coli_q8tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
+                        coli_q4tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
                 }
 #endif
         for (; n < nb; n += 4) {
@@ -1012,11 +962,8 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
                 if (W->fmt == COLI_Q4A)
                     coli_q4atile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, wm + n * W->ldd, W->ldw, W->ldd,
                                  ngroups, Y + m * ldy + n0 + n, ldy);
-                else if (W->fmt == COLI_Q4)
-                    coli_q4tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, NULL, W->ldw, W->ldd, ngroups,
-                                Y + m * ldy + n0 + n, ldy);
                 else
-                    coli_q8tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, NULL, W->ldw, W->ldd, ngroups,
+                    coli_q4tile(mr, nr, &sub, wq + n * W->ldw, wd + n * W->ldd, NULL, W->ldw, W->ldd, ngroups,
                                 Y + m * ldy + n0 + n, ldy);
             }
         }

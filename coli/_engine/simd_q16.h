@@ -17,8 +17,10 @@
  * AVX-512BW and AVX2, smull / smlal on 64-bit ARM (simd_q16_neon.h: the scalar tile's bits),
  * plain C otherwise). A lane sums at most 4 products, |sum| <
  * 4 * 127 * 32767 < 2^24, so its conversion to float is exact; the group's sum is then
- * scaled by (weight scale * activation scale) in float, like the int8 x int8 tiles.
- * Twice the multiplies of int8 activations: decode, bound by memory, barely notices.
+ * scaled by (weight scale * activation scale) in float. Twice the multiplies of int8
+ * activations: decode, bound by memory, barely notices. The AVX2 tiles below instead
+ * interleave 4 rows so that each int32 lane sums a whole group (exact in int32) and one
+ * float conversion, scale and fma per token serve 4 rows x 2 groups.
  */
 #ifndef COLI_SIMD_Q16_H
 #define COLI_SIMD_Q16_H
@@ -30,6 +32,9 @@ typedef struct {
     const int16_t *q;   /* (M, ldq) int16, Kp columns in the pair order above */
     const float *qd;    /* (M, ldb) group scales */
     long ldq, ldb;
+    const uint8_t *xe;  /* (M, lde) bytes: q arranged for the interleaved tiles (coli_q16_arrange;
+                           64-byte aligned), where coli_q16_xe_ld is not 0 */
+    long lde;
 } coli_act16;
 
 /* Where group b (of nb) starts in a quantized row, and how far its second 16 values are
@@ -196,72 +201,211 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
         }                                                                                          \
     }
 #elif defined(__AVX2__)
-static inline float coli_q16_hsum256(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(lo);
+#define COLI_Q16X 1      /* the interleaved tiles below */
+#define COLI_Q16X_G 2    /* groups per step: one per 128-bit lane */
+#define COLI_Q16X_V 32   /* bytes per vector */
+/* ---- several tokens x 4 rows, rows interleaved in registers (AVX2) ---------------------
+ * Lane (L, j) of a vector (128-bit lane L, dword j) belongs to weight row j and group
+ * b + L of the step (groups b, b + 1). Per step the 4 rows' int8 weights are transposed by
+ * 16-bit pairs (8 unpacks per 4 registers) and widened (unpack with itself, arithmetic
+ * shift): vector S[p] lane (L, j) = pair p (values 2p, 2p + 1) of row j's group b + L as
+ * two int16. Each token's activations come arranged (coli_q16_arrange, once per call, as
+ * each row is quantized): per step, 4 vectors whose lane L holds quarter q (values 8q ..
+ * 8q + 7) of the token's group b + L, then the two groups' scales in lane order; vpshufd
+ * broadcasts pair p over its lane. The 16 vpmaddwd + vpaddd leave in each int32 lane one
+ * whole (row, group) dot product, exact (|sum| <= 32 * 127 * 32767 < 2^31), so one
+ * convert, one scale multiply (weight scale x activation scale) and one fma per token
+ * serve 4 rows x 2 groups, where the plain tiles spent them per row and group. The
+ * weights' transpose and widening are paid once per step for up to COLI_Q16X_MR tokens.
+ * (On AVX-512 the same scheme was slower at one token than the plain tiles: BENCHMARKS.md.)
+ *
+ * The same bits alone or in any batch: every token, in any tile, any slot of a tile,
+ * runs the same operations on its own lanes (integer sums are exact in any order; the
+ * float sums run step by step per lane, then over the 2 lanes of a row), and rows past
+ * the last 4 are computed in a tile whose missing rows repeat the last one. A last odd
+ * group is a step with zeros (weights, scales and arranged activations). */
+#define COLI_Q16X_MR 8  /* tokens per tile */
+#define COLI_Q16X_NV 5  /* vectors per token and step: 4 quarters, then the scales */
+
+/* Bytes of coli_q16_arrange's output per token (0 where the plain tiles are used). */
+static inline long coli_q16_xe_ld(int M, int K) {
+    (void)M;
+    int nb = (K + QK - 1) / QK;
+    return (long)((nb + COLI_Q16X_G - 1) / COLI_Q16X_G) * COLI_Q16X_NV * COLI_Q16X_V;
 }
 
-/* MR tokens x NR rows, one group per step: its two halves of 16 weights widened to int16
- * and multiplied pairwise (vpmaddwd) with the activations' halves, 8 int32 lanes per
- * group, scaled by weight scale * activation scale. The scales of 8 groups are converted
- * once per chunk and broadcast from a register per group (with one token its scale is
- * folded into the weights' per chunk). The weights are widened again for each token
- * rather than kept: 16 registers hold the accumulators, and the widening runs on a port
- * the multiply-adds leave idle. */
-#define COLI_Q16TILE(MR, NR)                                                                       \
-    static inline void coli_q16tile_##MR##x##NR(const coli_act16 *a, const int8_t *wq, const uint16_t *wd, \
-                                                long ldw, long ldd, int nb, float *Y, long ldy) {  \
-        __m256 acc[MR][NR];                                                                        \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                          \
-        for (int c0 = 0; c0 < nb; c0 += 8) {                                                       \
-            int cn = nb - c0 < 8 ? nb - c0 : 8;                                                    \
-            __m256 wsv[NR], xsv[MR];                                                               \
-            for (int j = 0; j < NR; j++) {                                                         \
-                uint16_t h[8] = {0};                                                               \
-                memcpy(h, wd + j * ldd + c0, cn * sizeof(uint16_t));                               \
-                wsv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));                     \
-            }                                                                                      \
-            for (int i = 0; i < MR; i++) {                                                         \
-                float f[8] = {0};                                                                  \
-                memcpy(f, a->qd + i * a->ldb + c0, cn * sizeof(float));                            \
-                xsv[i] = _mm256_loadu_ps(f);                                                       \
-            }                                                                                      \
-            if (MR == 1)                                                                           \
-                for (int j = 0; j < NR; j++) wsv[j] = _mm256_mul_ps(wsv[j], xsv[0]);               \
-            for (int b = c0; b < c0 + cn; b++) {                                                   \
-                long f = coli_q16_first(b, nb);                                                    \
-                int g = coli_q16_gap(b, nb);                                                       \
-                __m256i sel = _mm256_set1_epi32(b - c0);                                           \
-                if (!(b & 1))                                                                      \
-                    for (int j = 0; j < NR; j++)                                                   \
-                        _mm_prefetch((const char *)(wq + (NR + j) * ldw + b * QK), _MM_HINT_T0);   \
-                for (int i = 0; i < MR; i++) {                                                     \
-                    const int16_t *xp = a->q + i * a->ldq + f;                                     \
-                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);                          \
-                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + g));                    \
-                    __m256 xs = MR == 1 ? _mm256_set1_ps(1.0f) : _mm256_permutevar8x32_ps(xsv[i], sel); \
-                    for (int j = 0; j < NR; j++) { /* the rows' 32 bytes stay in L1 across tokens */ \
-                        const int8_t *p = wq + j * ldw + b * QK;                                   \
-                        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));   \
-                        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))); \
-                        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)); \
-                        __m256 ws = _mm256_permutevar8x32_ps(wsv[j], sel);                         \
-                        __m256 sc = MR == 1 ? ws : _mm256_mul_ps(ws, xs);                          \
-                        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i][j]);         \
-                    }                                                                              \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NR; j++) Y[i * ldy + j] = coli_q16_hsum256(acc[i][j]);             \
+/* 8 int16 of group g's values 8q .. 8q + 7 (quarter q) in a quantized row (pair order);
+ * zeros past the last group. */
+static inline __m128i coli_q16_quarter(const int16_t *q, int g, int nb, int qi) {
+    if (g >= nb) return _mm_setzero_si128();
+    long f = coli_q16_first(g, nb) + (qi < 2 ? 8 * qi : coli_q16_gap(g, nb) + 8 * (qi - 2));
+    return _mm_loadu_si128((const __m128i *)(q + f));
+}
+
+/* xe (M rows of lde bytes, 32-byte aligned) = the int16 activations of a arranged for the
+ * interleaved tiles (see above). */
+static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
+    int nb = (K + QK - 1) / QK, ns = (nb + COLI_Q16X_G - 1) / COLI_Q16X_G;
+    for (int i = 0; i < M; i++) {
+        const int16_t *q = a->q + i * a->ldq;
+        const float *qd = a->qd + i * a->ldb;
+        uint8_t *o = xe + i * lde;
+        for (int s = 0; s < ns; s++, o += COLI_Q16X_NV * COLI_Q16X_V) {
+            int b = s * COLI_Q16X_G;
+            float sc[COLI_Q16X_G * 4];
+            for (int L = 0; L < COLI_Q16X_G; L++)
+                for (int j = 0; j < 4; j++) sc[4 * L + j] = b + L < nb ? qd[b + L] : 0.0f;
+            for (int qi = 0; qi < 4; qi++) {
+                __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(coli_q16_quarter(q, b, nb, qi)),
+                                                    coli_q16_quarter(q, b + 1, nb, qi), 1);
+                _mm256_store_si256((__m256i *)(o + qi * 32), x);
+            }
+            memcpy(o + (COLI_Q16X_NV - 1) * COLI_Q16X_V, sc, sizeof(sc));
+        }
     }
+}
+
+typedef __m256i coli_q16v;
+typedef __m256 coli_q16f;
+static inline __m256i coli_q16_dot(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+}
+#define COLI_Q16_LOAD(p) _mm256_load_si256((const __m256i *)(p))
+#define COLI_Q16_BCAST(x, r) _mm256_shuffle_epi32(x, (r) * 0x55)
+#define COLI_Q16_ZERO() _mm256_setzero_si256()
+#define COLI_Q16_FZERO() _mm256_setzero_ps()
+#define COLI_Q16_ADD(a, b) _mm256_add_epi32(a, b)
+#define COLI_Q16_FMA(d, ws, x, acc) _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, _mm256_load_ps((const float *)(x))), acc)
+#define COLI_Q16_UNLO16 _mm256_unpacklo_epi16
+#define COLI_Q16_UNHI16 _mm256_unpackhi_epi16
+#define COLI_Q16_UNLO32 _mm256_unpacklo_epi32
+#define COLI_Q16_UNHI32 _mm256_unpackhi_epi32
+#define COLI_Q16_WIDEN_LO(v) _mm256_srai_epi16(_mm256_unpacklo_epi8(v, v), 8)
+#define COLI_Q16_WIDEN_HI(v) _mm256_srai_epi16(_mm256_unpackhi_epi8(v, v), 8)
+
+/* Row r's groups b, b + 1 (n <= 2): first halves in A (lane L: group b + L's bytes 0-15),
+ * second halves in B; zeros past n. */
+static inline void coli_q16x_halves(const int8_t *r, int b, int n, __m256i *A, __m256i *B) {
+    const int8_t *p = r + (long)b * QK;
+    __m128i a0 = _mm_loadu_si128((const __m128i *)p), b0 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i a1 = n == 2 ? _mm_loadu_si128((const __m128i *)(p + 32)) : _mm_setzero_si128();
+    __m128i b1 = n == 2 ? _mm_loadu_si128((const __m128i *)(p + 48)) : _mm_setzero_si128();
+    *A = _mm256_inserti128_si256(_mm256_castsi128_si256(a0), a1, 1);
+    *B = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+}
+
+/* lane 4L + j = row j, group b + L (zeros past n) */
+static inline __m256 coli_q16x_scales(const uint16_t *const *d, int b, int n) {
+    int32_t e[4] = {0, 0, 0, 0};
+    for (int j = 0; j < 4; j++) {
+        if (n == 2) memcpy(&e[j], d[j] + b, 4);
+        else memcpy(&e[j], d[j] + b, 2);
+    }
+    const __m256i t = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* 2j + L -> 4L + j */
+    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_set_epi32(e[3], e[2], e[1], e[0])), t);
+}
+
+/* row sums: lane j + lane 4 + j */
+static inline __m128 coli_q16x_rows(__m256 v) {
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+/* per token: its 4 quarters loaded, each pair broadcast over its lane in registers */
+#define COLI_Q16X_TOKENS(MR)                                                                       \
+            coli_q16v S[16];                                                                       \
+            for (int p = 0; p < 16; p++)                                                           \
+                S[p] = p & 1 ? COLI_Q16_WIDEN_HI(Q[p / 2]) : COLI_Q16_WIDEN_LO(Q[p / 2]);          \
+            for (int i = 0; i < MR; i++) {                                                         \
+                const uint8_t *o = xs + i * lde;                                                   \
+                coli_q16v X[4], d[2] = {COLI_Q16_ZERO(), COLI_Q16_ZERO()};                         \
+                for (int k = 0; k < 4; k++) X[k] = COLI_Q16_LOAD(o + k * COLI_Q16X_V);             \
+                for (int p = 0; p < 16; p++)                                                       \
+                    d[p & 1] = coli_q16_dot(d[p & 1], S[p], COLI_Q16_BCAST(X[p / 4], p % 4));       \
+                acc[i] = COLI_Q16_FMA(COLI_Q16_ADD(d[0], d[1]), ws, o + 4 * COLI_Q16X_V, acc[i]);   \
+            }
+
+/* MR tokens (arranged activations xe, lde bytes apart) x 4 rows (nr of them real). CH
+ * int32 chains per token (two with few tokens, so the multiply-adds' latency overlaps). */
+#define COLI_Q16XTILE(MR)                                                                          \
+    static inline void coli_q16xtile_##MR(const uint8_t *xe, long lde, const int8_t *wq, const uint16_t *wd, \
+                                         long ldw, long ldd, int nr, int nb, float *Y, long ldy) { \
+        enum { CH = MR <= 2 ? 2 : 1 };                                                             \
+        const int8_t *r[4];                                                                        \
+        const uint16_t *dr[4];                                                                     \
+        for (int j = 0; j < 4; j++) {                                                              \
+            int jj = j < nr ? j : nr - 1;                                                          \
+            r[j] = wq + jj * ldw;                                                                  \
+            dr[j] = wd + jj * ldd;                                                                 \
+        }                                                                                          \
+        coli_q16f acc[MR];                                                                         \
+        for (int i = 0; i < MR; i++) acc[i] = COLI_Q16_FZERO();                                    \
+        for (int b = 0, s = 0; b < nb; b += COLI_Q16X_G, s++) {                                    \
+            int n = nb - b < COLI_Q16X_G ? nb - b : COLI_Q16X_G;                                   \
+            coli_q16v A[4], B[4], Q[8];                                                            \
+            for (int j = 0; j < 4; j++) {                                                          \
+                _mm_prefetch((const char *)(r[j] + 4 * ldw + b * QK), _MM_HINT_T0);                \
+                coli_q16x_halves(r[j], b, n, &A[j], &B[j]);                                        \
+            }                                                                                      \
+            for (int h = 0; h < 2; h++) { /* pairs 0-7 from A, 8-15 from B */                      \
+                const coli_q16v *H = h ? B : A;                                                    \
+                coli_q16v lo01 = COLI_Q16_UNLO16(H[0], H[1]), hi01 = COLI_Q16_UNHI16(H[0], H[1]); \
+                coli_q16v lo23 = COLI_Q16_UNLO16(H[2], H[3]), hi23 = COLI_Q16_UNHI16(H[2], H[3]); \
+                Q[4 * h + 0] = COLI_Q16_UNLO32(lo01, lo23); /* pairs 8h + 0, 1 */                  \
+                Q[4 * h + 1] = COLI_Q16_UNHI32(lo01, lo23); /* 2, 3 */                             \
+                Q[4 * h + 2] = COLI_Q16_UNLO32(hi01, hi23); /* 4, 5 */                             \
+                Q[4 * h + 3] = COLI_Q16_UNHI32(hi01, hi23); /* 6, 7 */                             \
+            }                                                                                      \
+            coli_q16f ws = coli_q16x_scales(dr, b, n);                                             \
+            const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \
+            COLI_Q16X_TOKENS(MR)                                                                   \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }                                                                                          \
+    }
+
+COLI_Q16XTILE(1) COLI_Q16XTILE(2) COLI_Q16XTILE(3) COLI_Q16XTILE(4)
+COLI_Q16XTILE(5) COLI_Q16XTILE(6) COLI_Q16XTILE(7) COLI_Q16XTILE(8)
+
+static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8_t *wq, const uint16_t *wd, long ldw,
+                                 long ldd, int nr, int nb, float *Y, long ldy) {
+    switch (mr) {
+    case 1: coli_q16xtile_1(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break; /* same bits as in a batch */
+    case 2: coli_q16xtile_2(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    case 3: coli_q16xtile_3(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    case 4: coli_q16xtile_4(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    case 5: coli_q16xtile_5(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    case 6: coli_q16xtile_6(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    case 7: coli_q16xtile_7(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    default: coli_q16xtile_8(xe, lde, wq, wd, ldw, ldd, nr, nb, Y, ldy); break;
+    }
+}
+
+/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
+ * arranged (a->xe); 4 rows x up to 8 tokens per tile, each block of 4 weight rows read
+ * once for all M tokens. K: logical columns. */
+static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
+    const uint16_t *wd = W->d + (long)n0 * W->ldd;
+    for (int n = 0; n < nb; n += 4) {
+        int nr = nb - n < 4 ? nb - n : 4;
+        for (int m = 0; m < M; m += COLI_Q16X_MR) {
+            int mr = M - m < COLI_Q16X_MR ? M - m : COLI_Q16X_MR;
+            coli_q16xtile(mr, a->xe + (long)m * a->lde, a->lde, wq + (long)n * W->ldw, wd + (long)n * W->ldd, W->ldw,
+                          W->ldd, nr, ngroups, Y + (long)m * ldy + n0 + n, ldy);
+        }
+    }
+}
 #elif defined(COLI_NEON)
 #include "simd_q16_neon.h"
 #else
-/* Scalar fallback: the same arithmetic, one pair at a time. */
+
+/* Scalar fallback: MR tokens x NR rows, one pair at a time (each token's sums in the same
+ * order in any tile). */
 #define COLI_Q16TILE(MR, NR)                                                                       \
     static inline void coli_q16tile_##MR##x##NR(const coli_act16 *a, const int8_t *wq, const uint16_t *wd, \
                                                 long ldw, long ldd, int nb, float *Y, long ldy) {  \
@@ -279,7 +423,15 @@ static inline float coli_q16_hsum256(__m256 v) {
                 Y[i * ldy + j] = acc;                                                              \
             }                                                                                      \
     }
+
 #endif
+
+#if !defined(COLI_Q16X)
+/* The plain tiles (AVX-512, scalar): no arranged activations. */
+static inline long coli_q16_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
+static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
+    (void)a; (void)M; (void)K; (void)xe; (void)lde;
+}
 
 COLI_Q16TILE(1, 1) COLI_Q16TILE(1, 2) COLI_Q16TILE(1, 3) COLI_Q16TILE(1, 4)
 COLI_Q16TILE(2, 1) COLI_Q16TILE(2, 2) COLI_Q16TILE(2, 3) COLI_Q16TILE(2, 4)
@@ -327,5 +479,6 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
         }
     }
 }
+#endif
 
 #endif /* COLI_SIMD_Q16_H */

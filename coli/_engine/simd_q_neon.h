@@ -218,9 +218,7 @@ static inline float32x4_t coli_wscales_neon(const uint16_t *wd, long ldd, int b,
 #define COLI_QTILE_INT4(NAME, IS4, MR, NR) COLI_QTILE_DOT_##MR(NAME, IS4, MR, NR)
 #endif
 
-/* IS4 0 (int8 weights x int8 activations) is the plain-C COLI_QTILE_C of simd_q.h */
 #define COLI_QTILE(NAME, IS4, MR, NR) COLI_QTILE_NEON_##IS4(NAME, MR, NR)
-#define COLI_QTILE_NEON_0(NAME, MR, NR) COLI_QTILE_C(NAME, 0, MR, NR)
 #define COLI_QTILE_NEON_1(NAME, MR, NR) COLI_QTILE_INT4(NAME, 1, MR, NR)
 #define COLI_QTILE_NEON_2(NAME, MR, NR) COLI_QTILE_INT4(NAME, 2, MR, NR)
 

@@ -12,7 +12,7 @@
  * pair then pays a convert, a scale multiply and an fma per step besides its two dpbusd,
  * and with a few tokens that, not the weight bytes, sets the speed. Here the 64-byte loads
  * of 4 rows are transposed by dwords within each 128-bit lane (8 unpacks), so lane (L, j)
- * (128-bit lane L, dword j) holds row j's bytes of group b + L: after the 8 (Q4) or 4 (Q8)
+ * (128-bit lane L, dword j) holds row j's bytes of group b + L: after the 8
  * dpbusd of a step each lane is one whole (row, group) dot product, and one convert +
  * multiply + fma per token serves 4 rows. The activations come pre-arranged
  * (coli_expand_act, once per call): per token and step, each vector a dword of every group
@@ -24,11 +24,9 @@
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
                         * a token gets the same bits alone, in a batch or in a verification */
 #define COLI_XT_MR 8    /* tokens per interleaved tile */
-/* vectors of 64 bytes per token and step: Q4/Q4A: 8 activation dwords, the scale, 8 * the
- * group sum (int32) and scale * sum (float); Q8: 4 dwords, the scale, 128 * the half-group
- * sum (int32) */
+/* vectors of 64 bytes per token and step: 8 activation dwords, the scale, 8 * the group sum
+ * (int32) and scale * sum (float) */
 #define COLI_XE_Q4 11
-#define COLI_XE_Q8 6
 
 /* Bytes of coli_expand_act's output per token (0: the interleaved tiles are not used). */
 static inline long coli_xe_ld(int fmt, int M, int K) {
@@ -39,55 +37,38 @@ static inline long coli_xe_ld(int fmt, int M, int K) {
 }
 
 /* xe (64-byte aligned, M rows of lde bytes) = the quantized activations of a, arranged for
- * the interleaved tiles of format fmt (see above). */
+ * the interleaved tiles of format fmt, Q4 or Q4A (see above). */
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
+    (void)fmt; /* the same arrangement for both */
     int nb = (K + QK - 1) / QK;
-    const __m512i quad = coli_lane_groups(2), pair = coli_lane_groups(3);
+    const __m512i quad = coli_lane_groups(2);
     for (int i = 0; i < M; i++) {
         const int8_t *xq = a->q + i * a->ldq;
         const float *qd = a->qd + i * a->ldb;
         const int32_t *qs = a->qs + i * a->ldb;
         int8_t *o = xe + i * lde;
-        if (fmt == COLI_Q8) {
-            const __m512i bias = _mm512_set1_epi8((char)0x80);
-            for (int s = 0; s < (nb + 1) / 2; s++, o += COLI_XE_Q8 * 64) {
-                /* 128-bit lane L: half L % 2 of group 2s + L / 2; a last odd group pairs with zeros */
-                int odd = 2 * s + 1 == nb;
-                __m512i x = _mm512_maskz_loadu_epi8(odd ? 0xFFFFFFFFull : ~0ull, xq + s * 64), off = _mm512_setzero_si512();
-                __m512i xp[4] = {_mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0x00), _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0x55),
-                                 _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0xAA), _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0xFF)};
-                for (int p = 0; p < 4; p++) {
-                    _mm512_store_si512((void *)(o + p * 64), xp[p]);
-                    off = _mm512_dpbusd_epi32(off, bias, xp[p]);  /* 128 * the half group's sum */
-                }
-                __m512 xs = _mm512_permutexvar_ps(pair, _mm512_maskz_loadu_ps(odd ? 0x1 : 0x3, qd + 2 * s));
-                _mm512_store_ps((float *)(o + 4 * 64), xs);
-                _mm512_store_si512((void *)(o + 5 * 64), off);
-            }
-        } else {
-            for (int s = 0; s < (nb + 3) / 4; s++, o += COLI_XE_Q4 * 64) {
-                /* 128-bit lane L: group 4s + L, its first 16 elements (xlo) or last 16 (xhi);
-                   past the last group, zeros */
-                int n = nb - 4 * s < 4 ? nb - 4 * s : 4;
-                __mmask16 gm = (__mmask16)((1u << n) - 1u);
-                __m512i x01 = _mm512_maskz_loadu_epi8(n >= 2 ? ~0ull : 0xFFFFFFFFull, xq + s * 128);
-                __m512i x23 = _mm512_maskz_loadu_epi8(n == 4 ? ~0ull : n == 3 ? 0xFFFFFFFFull : 0ull, xq + s * 128 + 64);
-                __m512i xlo = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));
-                __m512i xhi = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));
-                _mm512_store_si512((void *)(o + 0 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0x00));
-                _mm512_store_si512((void *)(o + 1 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0x55));
-                _mm512_store_si512((void *)(o + 2 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0xAA));
-                _mm512_store_si512((void *)(o + 3 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0xFF));
-                _mm512_store_si512((void *)(o + 4 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0x00));
-                _mm512_store_si512((void *)(o + 5 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0x55));
-                _mm512_store_si512((void *)(o + 6 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0xAA));
-                _mm512_store_si512((void *)(o + 7 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0xFF));
-                __m512 xs = _mm512_permutexvar_ps(quad, _mm512_maskz_loadu_ps(gm, qd + 4 * s));
-                __m512i sum = _mm512_permutexvar_epi32(quad, _mm512_maskz_loadu_epi32(gm, qs + 4 * s));
-                _mm512_store_ps((float *)(o + 8 * 64), xs);
-                _mm512_store_si512((void *)(o + 9 * 64), _mm512_slli_epi32(sum, 3));
-                _mm512_store_ps((float *)(o + 10 * 64), _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sum)));
-            }
+        for (int s = 0; s < (nb + 3) / 4; s++, o += COLI_XE_Q4 * 64) {
+            /* 128-bit lane L: group 4s + L, its first 16 elements (xlo) or last 16 (xhi);
+               past the last group, zeros */
+            int n = nb - 4 * s < 4 ? nb - 4 * s : 4;
+            __mmask16 gm = (__mmask16)((1u << n) - 1u);
+            __m512i x01 = _mm512_maskz_loadu_epi8(n >= 2 ? ~0ull : 0xFFFFFFFFull, xq + s * 128);
+            __m512i x23 = _mm512_maskz_loadu_epi8(n == 4 ? ~0ull : n == 3 ? 0xFFFFFFFFull : 0ull, xq + s * 128 + 64);
+            __m512i xlo = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));
+            __m512i xhi = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));
+            _mm512_store_si512((void *)(o + 0 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0x00));
+            _mm512_store_si512((void *)(o + 1 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0x55));
+            _mm512_store_si512((void *)(o + 2 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0xAA));
+            _mm512_store_si512((void *)(o + 3 * 64), _mm512_shuffle_epi32(xlo, (_MM_PERM_ENUM)0xFF));
+            _mm512_store_si512((void *)(o + 4 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0x00));
+            _mm512_store_si512((void *)(o + 5 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0x55));
+            _mm512_store_si512((void *)(o + 6 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0xAA));
+            _mm512_store_si512((void *)(o + 7 * 64), _mm512_shuffle_epi32(xhi, (_MM_PERM_ENUM)0xFF));
+            __m512 xs = _mm512_permutexvar_ps(quad, _mm512_maskz_loadu_ps(gm, qd + 4 * s));
+            __m512i sum = _mm512_permutexvar_epi32(quad, _mm512_maskz_loadu_epi32(gm, qs + 4 * s));
+            _mm512_store_ps((float *)(o + 8 * 64), xs);
+            _mm512_store_si512((void *)(o + 9 * 64), _mm512_slli_epi32(sum, 3));
+            _mm512_store_ps((float *)(o + 10 * 64), _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sum)));
         }
     }
 }
@@ -124,15 +105,6 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
     const __m512i t = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); /* 4j + L -> 4L + j */
     return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_set_epi64x(e[3], e[2], e[1], e[0])));
 }
-/* The same for groups g0, g0 + 1 (n <= 2) in Q8's lane order: lane 4L + j = row j, group
- * g0 + L / 2. */
-static inline __m512 coli_xt_scales2(const uint16_t *d, long ldd, int g0, int n) {
-    int32_t e[4] = {0, 0, 0, 0};
-    for (int j = 0; j < 4; j++) memcpy(&e[j], d + j * ldd + g0, 2 * n);
-    const __m512i t = _mm512_set_epi32(7, 5, 3, 1, 7, 5, 3, 1, 6, 4, 2, 0, 6, 4, 2, 0);  /* 2j + L/2 -> 4L + j */
-    return _mm512_permutexvar_ps(t, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set_epi32(e[3], e[2], e[1], e[0]))));
-}
-
 /* One step of the Q4 / Q4A interleaved tile: groups b .. b + n - 1 (n = 4, or fewer with
  * MASKED) of the 4 rows against every token's arranged activations. */
 #define COLI_Q4XSTEP(MR, ASYM, MASKED, n)                                                          \
@@ -183,44 +155,6 @@ static inline __m512 coli_xt_scales2(const uint16_t *d, long ldd, int g0, int n)
         COLI_XT_END(MR)                                                                            \
     }
 
-/* One step of the Q8 interleaved tile: groups b, b + 1 (or b alone with MASKED). */
-#define COLI_Q8XSTEP(MR, MASKED)                                                                   \
-    {                                                                                              \
-        __m512i T[4];                                                                              \
-        if (!(MASKED))                                                                             \
-            for (int j = 0; j < 4; j++)                                                            \
-                _mm_prefetch((const char *)(wq + (4 + j) * ldw + b * 32), _MM_HINT_T0);            \
-        COLI_XT_LOAD4(T, wq, ldw, b * 32, MASKED, 0xFFFFFFFFull);                                  \
-        for (int p = 0; p < 4; p++) T[p] = _mm512_xor_si512(T[p], flip);                           \
-        __m512 ws = coli_xt_scales2(wd, ldd, b, (MASKED) ? 1 : 2);                                 \
-        for (int i = 0; i < MR; i++) {                                                             \
-            const int8_t *o = a->xe + i * a->lde + (b / 2) * (COLI_XE_Q8 * 64);                    \
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), T[0], _mm512_load_si512((const void *)o)); \
-            for (int p = 1; p < 4; p++)                                                            \
-                d = _mm512_dpbusd_epi32(d, T[p], _mm512_load_si512((const void *)(o + p * 64)));   \
-            d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 5 * 64)));                \
-            __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 4 * 64)));            \
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
-        }                                                                                          \
-    }
-
-/* Q8: MR tokens x 4 rows, 2 groups (64 bytes) per step; lane (L, j) is half of group
- * b + L / 2. The weights go into dpbusd as w + 128 and 128 * the half group's sum (from xe)
- * comes off in the integers. A last odd group is a masked step (its other half: zeros,
- * which after the xor meet zero activations). */
-#define COLI_Q8XTILE512(NAME, MR)                                                                  \
-    static inline void NAME##_x##MR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
-                                    long ldw, long ldd, int nb, float *Y, long ldy) {              \
-        (void)wm;                                                                                  \
-        __m512 acc[MR];                                                                            \
-        for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();                                 \
-        const __m512i flip = _mm512_set1_epi8((char)0x80);                                         \
-        int b = 0;                                                                                 \
-        for (; b + 2 <= nb; b += 2) COLI_Q8XSTEP(MR, 0)                                            \
-        if (b < nb) COLI_Q8XSTEP(MR, 1)                                                            \
-        COLI_XT_END(MR)                                                                            \
-    }
-
 #define COLI_XTILES(NAME, ROLE)                                                                    \
     ROLE(NAME, 1) ROLE(NAME, 2) ROLE(NAME, 3) ROLE(NAME, 4) ROLE(NAME, 5) ROLE(NAME, 6) ROLE(NAME, 7) ROLE(NAME, 8) \
     static inline void NAME##_x(int mr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
@@ -240,7 +174,6 @@ static inline __m512 coli_xt_scales2(const uint16_t *d, long ldd, int g0, int n)
 #define COLI_Q4X_ASYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 1)
 COLI_XTILES(coli_q4tile, COLI_Q4X_SYM)
 COLI_XTILES(coli_q4atile, COLI_Q4X_ASYM)
-COLI_XTILES(coli_q8tile, COLI_Q8XTILE512)
 #else
 static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {

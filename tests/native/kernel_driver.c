@@ -88,9 +88,16 @@ static void gemm(const request *r, int tokens) {
             for (int m = 0; m < M; m++) coli_quantize_row_q16(x + (long)m * K, K, q16 + (long)m * kp, qd + (long)m * nb);
             output(q16, (size_t)M * kp * 2);
             output(qd, (size_t)M * nb * 4);
-            coli_act16 a16 = {q16, qd, kp, nb};
+            coli_act16 a16 = {q16, qd, kp, nb, NULL, 0};
+            long lde = coli_q16_xe_ld(M, K); /* the interleaved tiles' arrangement (x86 AVX2), else 0 */
+            uint8_t *xe = NULL;
+            if (lde) {
+                xe = aligned_alloc(64, ((size_t)M * lde + 63) / 64 * 64);
+                coli_q16_arrange(&a16, M, K, xe, lde);
+                a16.xe = xe, a16.lde = lde;
+            }
             for (int n0 = 0; n0 < N; n0 += split) coli_gemm_q16(&a16, M, &W, n0, N - n0 < split ? N - n0 : split, K, y, N);
-            free(q16);
+            free(q16), free(xe);
         } else if (fmt > COLI_Q8) {
             for (int m = 0; m < M; m++) coli_quantize_row_q8(x + (long)m * K, K, q + (long)m * kp, qd + (long)m * nb, qs + (long)m * nb);
             output(q, (size_t)M * kp);
