@@ -7,10 +7,10 @@ matrices cost alone.
 Three parts:
   * plain decode steps (wall clock and process CPU time per token: with several threads, CPU
     time above threads x wall is time spent spinning in OpenMP barriers);
-  * the same steps with every ``K.*`` call of ``coli.models.base`` wrapped and timed (wall
-    clock around each call, so it includes the call's Python argument checks and its OpenMP
-    fork/join): ms per token, calls per token, us per call, and what is left outside them
-    (Python wiring per layer);
+  * the same steps with every ``K.*`` call of ``coli.models.base`` wrapped and timed (around
+    each call, so it includes the call's Python argument checks and its OpenMP fork/join;
+    the calling thread's CPU time at one thread, the wall clock with more, see --clock): ms
+    per token, calls per token, us per call, and what is left outside them (Python wiring);
   * with ``--matrices``, each of layer 0's matrices alone, one token, cache-hot, timed with
     ``time.thread_time`` (median and 10th percentile of ``--calls``): the kernels' compute cost
     without the memory wall, robust to other processes when run at one thread.
@@ -43,28 +43,29 @@ def decode(eng, cache, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def per_kernel(eng, cache, n: int) -> tuple[dict, collections.Counter, float]:
+def per_kernel(eng, cache, n: int, clock) -> tuple[dict, collections.Counter, float]:
     tot: dict[str, float] = collections.defaultdict(float)
     cnt: collections.Counter = collections.Counter()
     orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
 
     def wrap(name, f):
         def timed(*a, **kw):
-            t0 = time.perf_counter()
+            t0 = clock()
             r = f(*a, **kw)
-            tot[name] += time.perf_counter() - t0
+            tot[name] += clock() - t0
             cnt[name] += 1
             return r
         return timed
 
     for k, f in orig.items():
         setattr(K, k, wrap(k, f))
+    t0 = clock()
     try:
-        wall, _ = decode(eng, cache, n)
+        decode(eng, cache, n)
     finally:
         for k, f in orig.items():
             setattr(K, k, f)
-    return tot, cnt, wall
+    return tot, cnt, (clock() - t0) / n
 
 
 def matrices(model, rs, calls: int) -> list[tuple[str, float, float]]:
@@ -100,7 +101,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per part")
     ap.add_argument("--matrices", action="store_true", help="also time layer 0's matrices alone")
     ap.add_argument("--calls", type=int, default=1000, help="timed calls per matrix (--matrices)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                    help="what the per-kernel part times: the calling thread's CPU time (default at one "
+                         "thread: robust to other processes) or the wall clock (default with more)")
     a = ap.parse_args()
+    cpu_clock = a.clock == "cpu" or (a.clock is None and a.threads == 1)
+    clock = time.thread_time if cpu_clock else time.perf_counter
     m = coli.load(a.model, threads=a.threads)
     eng = m.engine
     cache = eng.new_cache(48 + 2 * a.tokens)
@@ -110,9 +116,9 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"{a.model} · {K.simd_name()} · {a.threads} threads · load {load:.1f}")
     print(f"decode: {wall * 1e3:.3f} ms/token ({1 / wall:.1f} tok/s), process CPU {cpu * 1e3:.3f} ms/token")
-    tot, cnt, wall2 = per_kernel(eng, cache, a.tokens)
+    tot, cnt, wall2 = per_kernel(eng, cache, a.tokens, clock)
     n = a.tokens
-    print(f"with every K.* call timed: {wall2 * 1e3:.3f} ms/token")
+    print(f"with every K.* call timed ({'thread CPU time' if cpu_clock else 'wall clock'}): {wall2 * 1e3:.3f} ms/token")
     inside = 0.0
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
         print(f"  {k:18s} {v / n * 1e3:8.3f} ms/token {cnt[k] / n:6.0f} calls/token {v / cnt[k] * 1e6:8.1f} us/call")

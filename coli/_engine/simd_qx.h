@@ -122,18 +122,15 @@ static inline __m128 coli_xt_rows(__m512 v) {
  * the stack with a libc memcpy of variable size, whose store-to-load stall cost a 576-column
  * matrix a third of its one-token time. */
 static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n) {
-    __m128i r01, r23;
-    if (n == 4) { /* every step but a short last one (n is a constant there) */
-        r01 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(d + g0)),
-                                 _mm_loadl_epi64((const __m128i *)(d + ldd + g0)));
-        r23 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(d + 2 * ldd + g0)),
-                                 _mm_loadl_epi64((const __m128i *)(d + 3 * ldd + g0)));
-    } else {
-        const __mmask8 m = (__mmask8)((1u << n) - 1u);
-        r01 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + g0), _mm_maskz_loadu_epi16(m, d + ldd + g0));
-        r23 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + 2 * ldd + g0), _mm_maskz_loadu_epi16(m, d + 3 * ldd + g0));
-    }
     const __m512i t = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); /* 4j + L -> 4L + j */
+    if (n == 4) { /* every step but a short last one (n is a constant there) */
+        int64_t e[4];
+        for (int j = 0; j < 4; j++) memcpy(&e[j], d + j * ldd + g0, 8);
+        return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_set_epi64x(e[3], e[2], e[1], e[0])));
+    }
+    const __mmask8 m = (__mmask8)((1u << n) - 1u);
+    __m128i r01 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + g0), _mm_maskz_loadu_epi16(m, d + ldd + g0));
+    __m128i r23 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + 2 * ldd + g0), _mm_maskz_loadu_epi16(m, d + 3 * ldd + g0));
     return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(r01), r23, 1)));
 }
 /* The same for groups g0, g0 + 1 (n <= 2) in Q8's lane order: lane 4L + j = row j, group
