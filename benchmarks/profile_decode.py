@@ -10,7 +10,8 @@ Three parts:
   * the same steps with every ``K.*`` call of ``coli.models.base`` wrapped and timed (around
     each call, so it includes the call's Python argument checks and its OpenMP fork/join;
     the calling thread's CPU time at one thread, the wall clock with more, see --clock): ms
-    per token, calls per token, us per call, and what is left outside them (Python wiring);
+    per token, calls per token, us per call, and what is left outside them; then (dense
+    models) the step's Python alone, every ``K.*`` call replaced by a no-op;
   * with ``--matrices``, each of layer 0's matrices alone, one token, cache-hot, timed with
     ``time.thread_time`` (median and minimum of ``--calls``): the kernels' compute cost
     without the memory wall, robust to other processes when run at one thread.
@@ -68,6 +69,26 @@ def per_kernel(eng, cache, n: int, clock) -> tuple[dict, collections.Counter, fl
     return tot, cnt, (clock() - t0) / n
 
 
+def wiring(eng, cache, n: int) -> float:
+    """Thread CPU seconds per one-token step with every K.* call a no-op: the Python of the
+    engine's step and the model's wiring alone (the cache is cut back after each step)."""
+    orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
+    for k in orig:
+        setattr(K, k, lambda *a, **kw: None)
+    start = len(cache)
+    try:
+        ts = []
+        for _ in range(n):
+            t0 = time.thread_time()
+            eng.step([(cache, [5])])
+            ts.append(time.thread_time() - t0)
+            cache.truncate(start)
+    finally:
+        for k, f in orig.items():
+            setattr(K, k, f)
+    return sorted(ts)[n // 2]
+
+
 def matrices(model, rs, calls: int) -> list[tuple[str, float, float]]:
     """(name, median us, minimum us) of each of layer 0's projections for one token, cache-hot."""
     layer = model.layers[0]
@@ -123,7 +144,9 @@ def main() -> None:
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
         print(f"  {k:18s} {v / n * 1e3:8.3f} ms/token {cnt[k] / n:6.0f} calls/token {v / cnt[k] * 1e6:8.1f} us/call")
         inside += v / n
-    print(f"  {'outside K.*':18s} {(wall2 - inside) * 1e3:8.3f} ms/token (Python wiring, the engine's step)")
+    print(f"  {'outside K.*':18s} {(wall2 - inside) * 1e3:8.3f} ms/token (the step's Python and the timers' own cost)")
+    if not eng.model.moe_layers:  # (MoE layers read the no-op router's output)
+        print(f"the step's Python alone (every K.* a no-op, median): {wiring(eng, cache, 200) * 1e6:.1f} us/token")
     if a.matrices:
         print(f"layer 0's matrices alone, one token, cache-hot, thread CPU time ({a.threads} threads: the caller's):")
         for name, med, low in matrices(eng.model, eng.run_state, a.calls):
