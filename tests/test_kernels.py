@@ -140,11 +140,30 @@ def test_attention_front_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("act", [0, 1])
-def test_gated_act(act):
-    g, u = rand(5, 37, scale=3), rand(5, 37)
+@pytest.mark.parametrize("N", [1, 7, 8, 15, 16, 17, 37, 1536])
+def test_gated_act(act, N):
+    g, u = rand(5, N, scale=3), rand(5, N)
     out = np.empty_like(g)
     K.gated_act(g, u, out, act)
     np.testing.assert_allclose(out, R.gated_act(g, u, act), **TOL)
+    K.gated_act(g, u, g, act)  # in place (the MLP writes act(g) * u over g)
+    np.testing.assert_array_equal(g, out)
+
+
+@pytest.mark.parametrize("act", [0, 1])
+def test_gated_act_extremes(act):
+    """Far into both tails the vector exp saturates: results stay finite and near the twin's."""
+    g = np.array([[-200, -100, -88, -45, -20, -9, -1e-3, 0, 1e-3, 9, 20, 45, 88, 100, 200, 3e4, -3e4]], np.float32)
+    u = np.full_like(g, 1.5)
+    out = np.empty_like(g)
+    K.gated_act(g, u, out, act)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, R.gated_act(g, u, act), **TOL)
+    # each element alone, at another lane, gives the same bits (no dependence on position)
+    for j in (0, 5, 16):
+        one = np.empty((1, 1), np.float32)
+        K.gated_act(g[:, j:j + 1], u[:, j:j + 1], one, act)
+        assert one[0, 0] == out[0, j]
 
 
 def test_embed():

@@ -57,8 +57,7 @@ cdef extern from "simd.h" nogil:
                      int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
-    float coli_silu(float x)
-    float coli_gelu_tanh(float x)
+    void coli_gated_act_row(const float *g, const float *u, float *out, int n, int act)
     void coli_pack_tokens(const float *X, long ldx, int M, int K, float *P)
     void coli_gemm_tokens(const float *P, int M, const float *W, long ldw, int nb, int K, float *Y, long ldy)
     enum:
@@ -219,12 +218,6 @@ cdef inline Py_ssize_t _dim(object a, int i) noexcept:
     return cnp.PyArray_DIM(<cnp.ndarray>a, i)
 
 
-cdef inline float _act(float x, int act) noexcept nogil:
-    if act == ACT_GELU_TANH:
-        return coli_gelu_tanh(x)
-    return coli_silu(x)
-
-
 # ---------------------------------------------------------------- linear layers
 
 cdef inline void _linear_block(int b, int block, const float *X, long ldx, int M, const float *W, int N, int K,
@@ -355,9 +348,10 @@ def gated_act(const float[:, ::1] g, const float[:, ::1] u, float[:, ::1] out, i
     cdef int M = g.shape[0], N = g.shape[1], m, i
     if u.shape[0] != M or u.shape[1] != N or out.shape[0] != M or out.shape[1] != N:
         raise ValueError("gated_act: shape mismatch")
-    for m in prange(M, nogil=True, num_threads=_team(<long>M * N * 4), schedule='static'):
-        for i in range(N):
-            out[m, i] = _act(g[m, i], act) * u[m, i]
+    if M == 0 or N == 0:
+        return
+    for m in prange(M, nogil=True, num_threads=_team(<long>M * N), schedule='static'):
+        coli_gated_act_row(&g[m, 0], &u[m, 0], &out[m, 0], N, act)
 
 
 def embed(const int32_t[::1] ids, const float[:, ::1] table, float[:, ::1] out, float scale=1.0):

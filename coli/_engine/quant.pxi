@@ -455,8 +455,7 @@ cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
         coli_gemm_any(&sub, ne, &j.mats[3 * e], n0, nb, H, g, I)
         coli_gemm_any(&sub, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
     for r in range(ne):
-        for c in range(n0, n0 + nb):
-            g[r * I + c] = _act(g[r * I + c], j.act) * u[r * I + c]
+        coli_gated_act_row(g + r * I + n0, u + r * I + n0, g + r * I + n0, nb, j.act)
 
 
 cdef void _moe_down(const moe_job *j, int item) noexcept nogil:

@@ -98,12 +98,21 @@ static inline __m128 coli_xt_rows(__m512 v) {
 }
 
 /* The f16 values of groups g0 .. g0 + n - 1 (n <= 4; zeros after) of 4 rows as floats in
- * lane order (L, j): lane 4L + j = row j, group g0 + L. */
+ * lane order (L, j): lane 4L + j = row j, group g0 + L. The rows are read with masked loads
+ * (nothing past group g0 + n - 1 is touched): a short last step used to copy them through
+ * the stack with a libc memcpy of variable size, whose store-to-load stall cost a 576-column
+ * matrix a third of its one-token time. */
 static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n) {
-    int64_t e[4] = {0, 0, 0, 0};
-    for (int j = 0; j < 4; j++) memcpy(&e[j], d + j * ldd + g0, 2 * n);
     const __m512i t = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); /* 4j + L -> 4L + j */
-    return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_set_epi64x(e[3], e[2], e[1], e[0])));
+    if (n == 4) { /* every step but a short last one (n is a constant there) */
+        int64_t e[4];
+        for (int j = 0; j < 4; j++) memcpy(&e[j], d + j * ldd + g0, 8);
+        return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_set_epi64x(e[3], e[2], e[1], e[0])));
+    }
+    const __mmask8 m = (__mmask8)((1u << n) - 1u);
+    __m128i r01 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + g0), _mm_maskz_loadu_epi16(m, d + ldd + g0));
+    __m128i r23 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + 2 * ldd + g0), _mm_maskz_loadu_epi16(m, d + 3 * ldd + g0));
+    return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(r01), r23, 1)));
 }
 /* One step of the Q4 / Q4A interleaved tile: groups b .. b + n - 1 (n = 4, or fewer with
  * MASKED) of the 4 rows against every token's arranged activations. */
