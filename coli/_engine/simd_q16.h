@@ -319,8 +319,12 @@ static inline __m128 coli_q16x_rows(__m256 v) {
                 const uint8_t *o = xs + i * lde;                                                   \
                 coli_q16v X[4], d[2] = {COLI_Q16_ZERO(), COLI_Q16_ZERO()};                         \
                 for (int k = 0; k < 4; k++) X[k] = COLI_Q16_LOAD(o + k * COLI_Q16X_V);             \
-                for (int p = 0; p < 16; p++)                                                       \
-                    d[p & 1] = coli_q16_dot(d[p & 1], S[p], COLI_Q16_BCAST(X[p / 4], p % 4));       \
+                for (int k = 0; k < 4; k++) { /* pair p = 4k + r: immediates spelled out (clang) */ \
+                    d[0] = coli_q16_dot(d[0], S[4 * k + 0], COLI_Q16_BCAST(X[k], 0));              \
+                    d[1] = coli_q16_dot(d[1], S[4 * k + 1], COLI_Q16_BCAST(X[k], 1));              \
+                    d[0] = coli_q16_dot(d[0], S[4 * k + 2], COLI_Q16_BCAST(X[k], 2));              \
+                    d[1] = coli_q16_dot(d[1], S[4 * k + 3], COLI_Q16_BCAST(X[k], 3));              \
+                }                                                                                  \
                 acc[i] = COLI_Q16_FMA(COLI_Q16_ADD(d[0], d[1]), ws, o + 4 * COLI_Q16X_V, acc[i]);   \
             }
 
