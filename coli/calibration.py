@@ -13,9 +13,14 @@ weight matrix name (the checkpoint's: ``model.layers.0.self_attn.q_proj.weight``
 expert's ``{prefix}.{experts}.{e}.{gate|up|down}.weight``), the mean of x x^T (K, K) over
 the tokens that reached it: every token for a dense matrix, the tokens routed to it for an
 expert. Where K^2 would pass ``full_max`` the entry is the diagonal (K,) only. An expert no
-calibration token reached gets no entry, and neither do the LM head and the embedding
-table: weighting the tied table of the built-in model by its head's inputs measured worse
-(docs/QUANTIZATION.md), so they keep the plain fit.
+calibration token reached gets no entry.
+
+A tied embedding/head table is one matrix with two uses: as the head its error costs
+(w - q)^T E[h h^T] (w - q), as the embedding, whose rows are added to the residual stream,
+about the plain squared error. Its entry is the sum, E[h h^T] + TIED_BLEND * mean(diag) * I
+(measured on the built-in model, docs/QUANTIZATION.md: the head's statistics alone, or the
+plain fit, do worse). An untied head gets no entry (its GPTQ measured worse than its plain
+fit there), nor does an untied embedding (no matrix product reads it).
 """
 from __future__ import annotations
 
@@ -66,19 +71,33 @@ def default_texts() -> list[str]:
     return read_texts(Path(__file__).parent / "atlas" / "default_corpus.jsonl")
 
 
+TIED_BLEND = 0.3  # the embedding's plain squared error, against the head's E[h h^T] (per unit of its mean diagonal)
 FULL_MAX = 4096  # input width up to which E[x x^T] is kept whole (K^2 float64: 128 MiB at 4096)
 
 
 class _Sums:
-    """Running sum of x x^T (K, K) (or of x^2 (K,) past full_max) and the row count, per name."""
+    """Running sum of x x^T (K, K) (or of x^2 (K,) past full_max) and the row count, per name.
+    Rows are buffered and summed FLUSH_ROWS at a time: one matrix product per flush instead
+    of one per step (a step is often a handful of tokens)."""
+
+    FLUSH_ROWS = 2048
 
     def __init__(self, full_max: int = FULL_MAX):
         self.sq: dict[str, np.ndarray] = {}
         self.n: dict[str, int] = {}
+        self.buf: dict[str, list[np.ndarray]] = {}
+        self.rows: dict[str, int] = {}
         self.full_max = full_max
 
     def add(self, name: str, x: np.ndarray) -> None:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.buf.setdefault(name, []).append(np.array(x, dtype=np.float32))  # a copy: x is a reused buffer
+        self.rows[name] = self.rows.get(name, 0) + len(x)
+        if self.rows[name] >= self.FLUSH_ROWS:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        x = np.concatenate(self.buf.pop(name))  # (rows, K)
+        self.rows[name] = 0
         if x.shape[1] <= self.full_max:
             s = (x.T @ x).astype(np.float64)  # (K, K)
         else:
@@ -90,12 +109,15 @@ class _Sums:
         self.n[name] = self.n.get(name, 0) + len(x)
 
     def means(self) -> dict[str, np.ndarray]:
+        for name in list(self.buf):
+            self._flush(name)
         return {k: v / self.n[k] for k, v in self.sq.items() if self.n[k]}
 
 
 def _taps(net, names: dict[int, str], experts: dict[int, tuple], sums: _Sums) -> None:
-    """Make every Linear and MoE of ``net`` but its LM head record their inputs into ``sums``
-    (by class swap: the recorded model is built for calibration only)."""
+    """Make every Linear and MoE of ``net`` record their inputs into ``sums``, the LM head only
+    when it is the embedding table (by class swap: the recorded model is built for
+    calibration only)."""
     from coli.models.base import Linear, LinearGroup, MoE
 
     class TapLinear(Linear):
@@ -119,7 +141,7 @@ def _taps(net, names: dict[int, str], experts: dict[int, tuple], sums: _Sums) ->
                 sums.add(f"{prefix}.{sub}.{e}.{u}.weight", xe)
                 sums.add(f"{prefix}.{sub}.{e}.{d}.weight", h)
 
-    seen: set[int] = {id(net.lm_head)}
+    seen: set[int] = set() if net.lm_head.mat is net.embed else {id(net.lm_head)}
 
     def visit(obj, depth=0):
         if id(obj) in seen or depth > 6:
@@ -194,4 +216,9 @@ def collect(model_dir: str | os.PathLike, texts: list[str], *, threads: int | No
                 progress(i + 1, len(pieces))
     finally:
         w.close()
-    return sums.means()
+    out = sums.means()
+    tied = names.get(id(net.embed))
+    if net.lm_head.mat is net.embed and tied in out and out[tied].ndim == 2:
+        h = out[tied]
+        out[tied] = h + TIED_BLEND * np.mean(np.diag(h)) * np.eye(len(h))
+    return out

@@ -67,7 +67,7 @@ def test_statistics_are_the_inputs_second_moments(src):
 
 def test_gptq_with_an_identity_hessian_is_plain_int4():
     w = np.random.default_rng(0).standard_normal((37, 70)).astype(np.float32)
-    for a, b in zip(gptq_int4(w, np.eye(70)), quantize_int4(w)):
+    for a, b in zip(gptq_int4(w, np.eye(70), refits=0), quantize_int4(w)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -135,3 +135,16 @@ def test_cli_calibration_errors(src, tmp_path):
     assert r.exit_code != 0 and "does not exist" in r.output
     r = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "y"), "-q", "int8", "--calibration", "default"])
     assert r.exit_code != 0 and "int4's rounding only" in r.output
+
+
+def test_a_tied_table_gets_its_heads_statistics_blended_with_the_identity():
+    """The built-in model ties its embedding and head: the table's entry is
+    E[h h^T] + TIED_BLEND * mean(diag E[h h^T]) * I, so no eigenvalue is below that share."""
+    from coli.api import DEFAULT_MODEL_DIR
+
+    stats = cal.collect(DEFAULT_MODEL_DIR, TEXTS)
+    h = stats["model.embed_tokens.weight"]
+    assert h.shape == (192, 192)
+    m = np.mean(np.diag(h)) / (1 + cal.TIED_BLEND)  # mean diagonal before the blend
+    assert np.linalg.eigvalsh(h)[0] >= cal.TIED_BLEND * m - 1e-5 * m  # E[h h^T] is PSD (rank < 192 here)
+    assert "lm_head.weight" not in stats

@@ -67,14 +67,14 @@ class RecordingWeights(HFWeights):
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4", *, head_quant: str | None = None,
-            force: bool = False, progress=None, calibration: list[str] | None = None,
+            force: bool = False, progress=None, calibration: list[str] | dict | None = None,
             calibration_progress=None) -> Path:
     """Convert ``src`` (a Hugging Face directory or a GGUF file) into ``dst``; returns dst.
 
     ``progress(n_tensors)`` is called as tensors are written (total: ``count_tensors``).
-    ``calibration``: texts to run ``src`` on in f32 first (coli.calibration.collect); int4
-    matrices are then rounded by GPTQ against their inputs' E[x x^T]
-    (``calibration_progress(done, total)`` per piece of text)."""
+    ``calibration``: texts to run ``src`` on in f32 first (coli.calibration.collect), or
+    what collect returned for them; int4 matrices are then rounded by GPTQ against their
+    inputs' E[x x^T] (``calibration_progress(done, total)`` per piece of text)."""
     from coli.models import build_model
 
     from coli.weights.gguf import is_gguf
@@ -106,7 +106,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
             convert_gguf(src, tmp, quant, head_quant, progress)
         else:
             stats = None
-            if calibration is not None:
+            if isinstance(calibration, dict):
+                stats = calibration
+            elif calibration is not None:
                 from coli.calibration import collect
 
                 stats = collect(src, calibration, progress=calibration_progress)
