@@ -257,7 +257,7 @@ def gptq_int4(w: np.ndarray, hessian: np.ndarray, damp: float = 0.01, refits: in
             e = (W[:, j] - (df.astype(np.float64) * qj + mf)) / U[j, j]
             W[:, j + 1: c1] -= np.outer(e, U[j, j + 1: c1])
             E[:, j - c0] = e
-        W[:, c1:] -= E @ U[c0:c1, c1:]
+        W[:, c1:] -= np.einsum("ng,gk->nk", E, U[c0:c1, c1:])  # not BLAS: its threads cost more than this saves
     qg = q.reshape(N, nb, QK)
     packed = qg[..., :16] | (qg[..., 16:] << 4)
     return packed.reshape(N, -1), d16, m16
