@@ -6,7 +6,9 @@ int4 (5 bits per weight): groups of 32 share a float16 scale d and a float16 min
 w ~ d * q + m with q in [0, 15]. d and m are chosen to minimise the group's squared
 error: 15 candidate scales around 15 / (max - min) are tried, each rounding followed by
 the least-squares d and m for it, and the best kept; q is then rounded again against the
-stored f16 d, m.
+stored f16 d, m. With calibration statistics of a matrix's inputs (coli.calibration;
+`coli convert --calibration`), int4 is rounded by GPTQ instead (gptq_int4): same format,
+lower output error.
 int4s (4.5 bits per weight; llama.cpp's Q4_0 scheme): groups of 32 share one float16
 scale d = w_max / -8 where w_max is the weight of largest magnitude (sign kept),
 q = clamp(round(w / d) + 8, 0, 15), w ~ d * (q - 8).
@@ -224,8 +226,9 @@ def gptq_int4(w: np.ndarray, hessian: np.ndarray, damp: float = 0.01, refits: in
     rounded, so that the output error (w - q)^T H (w - q) of each row, not the weights' own,
     is made small. A group's (d, m) is fitted (``_int4_fit``) to its columns as updated when
     its first column is reached, and the error is carried between groups in one update per
-    group (GPTQ's lazy batch). ``damp`` x mean(diag H) is added to the diagonal; columns
-    that never saw an input (diag 0) are zeroed. With H = I nothing is carried and the
+    group (GPTQ's lazy batch). ``damp`` x mean(diag H) is added to the diagonal; a column
+    that never saw an input (diag 0) is rounded as it stands and carries nothing (it is not
+    zeroed: other inputs may reach it). With H = I nothing is carried and the
     result is quantize_int4's with ``refits``, bit for bit. Same layout as quantize_int4."""
     N, Kdim = w.shape
     if np.shape(hessian) != (Kdim, Kdim):
@@ -235,9 +238,8 @@ def gptq_int4(w: np.ndarray, hessian: np.ndarray, damp: float = 0.01, refits: in
     W[:, :Kdim] = w
     H = np.eye(kp)
     H[:Kdim, :Kdim] = hessian
-    dead = np.diag(H) <= 0
+    dead = np.diag(H) <= 0  # columns that never saw an input: rounded as they are, nothing carried
     H[dead, dead] = 1.0
-    W[:, dead] = 0.0
     H += damp * np.mean(np.diag(H)) * np.eye(kp)
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U, row i holds U[i, i:]
     nb = kp // QK
