@@ -59,6 +59,7 @@ _coli() {
         "coli cluster status --api-key") COMPREPLY=(); return ;;
         "coli convert --quant"|"coli convert -q") COMPREPLY=(); return ;;
         "coli convert --head-quant") COMPREPLY=(); return ;;
+        "coli convert --calibration") COMPREPLY=(); return ;;
         "coli decide --noul"|"coli decide -y") COMPREPLY=(); return ;;
         "coli decide --choice"|"coli decide -c") COMPREPLY=(); return ;;
         "coli decide --score"|"coli decide -S") COMPREPLY=(); return ;;
@@ -162,7 +163,7 @@ _coli() {
         "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
-        "coli convert") words="--quant -q --head-quant --force"; files=1 ;;
+        "coli convert") words="--quant -q --head-quant --force --calibration"; files=1 ;;
         "coli decide") words="--noul -y --choice -c --score -S --questions -f --state --threshold --json --table --url --api-key --model -m --threads -t --quant -q --ctx"; files=0 ;;
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;

@@ -79,6 +79,7 @@ complete -c coli -n '__fish_seen_subcommand_from cluster; and __fish_seen_subcom
 complete -c coli -n '__fish_seen_subcommand_from convert' -l quant -s q -x -d 'The format of the dense weights'
 complete -c coli -n '__fish_seen_subcommand_from convert' -l head-quant -x -d 'Format of the LM head and embeddings'
 complete -c coli -n '__fish_seen_subcommand_from convert' -l force -d 'Replace DST if it exists'
+complete -c coli -n '__fish_seen_subcommand_from convert' -l calibration -x -d 'Run SRC in f32 over this text first (.jsonl of {"text": ...} lines, or plain text; \'default\': the corpus of coli atlas) and round int4 layers by GPTQ against the statistics of their inputs (docs/QUANTIZATION.md)'
 complete -c coli -n '__fish_seen_subcommand_from convert' -F
 complete -c coli -n '__fish_seen_subcommand_from decide' -l noul -s y -x -d 'A yes/no question (repeatable)'
 complete -c coli -n '__fish_seen_subcommand_from decide' -l choice -s c -x -d 'A choice: \'QUESTION|OPTION|OPTION...\' (2 to 255 options; repeatable)'

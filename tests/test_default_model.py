@@ -111,3 +111,45 @@ def test_int8_stays_within_the_documented_tolerance():
         n += len(r)
     assert (num / den) ** 0.5 <= 0.049
     assert kl / n <= 0.0065
+
+
+CAL_KL = 0.125  # calibrated int4/int4, measured 0.1207 (docs/QUANTIZATION.md)
+PROMPTS = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a kind of 'tree'?",
+           "What does 'harbor' mean?", "What is 'oak' a kind of?", "What does 'quick' mean?",
+           "Give a synonym for 'happy'.", "What does 'mountain' mean?"]
+
+
+def _mean_kl(ref, model):
+    """Mean KL(ref || model) over every position of PROMPTS (benchmarks/quant_quality.py's)."""
+    kl = n = 0.0
+    for t in PROMPTS:
+        ids = ref.prompt_ids(t)
+        r, q = ref.forward(ids).astype(np.float64), model.forward(ids).astype(np.float64)
+        lr = r - r.max(-1, keepdims=True)
+        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
+        lq = q - q.max(-1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+        kl += float((np.exp(lr) * (lr - lq)).sum())
+        n += len(r)
+    return kl / n
+
+
+def test_int4_stays_within_the_documented_tolerance():
+    """docs/QUANTIZATION.md: int4 with its int8 head, KL <= 0.040 (measured 0.0372-0.0374)."""
+    assert _mean_kl(coli.load(threads=2), coli.load(threads=2, quant="int4")) <= 0.040
+
+
+def test_calibrated_int4_with_a_4bit_head_beats_the_plain_fit(tmp_path):
+    """docs/QUANTIZATION.md: int4 with a 4-bit head, converted with calibration on the atlas
+    corpus's even lines that name none of the prompts' words (so calibration never sees the
+    evaluated text): KL <= CAL_KL (measured 0.1207), against 0.1323 for the plain fit (not the
+    issue's 0.1: see the doc)."""
+    from coli import calibration as cal
+    from coli.weights.convert import convert
+
+    words = ("ocean", "big", "tree", "harbor", "oak", "quick", "happy", "mountain")
+    texts = [t for i, t in enumerate(cal.default_texts()) if i % 2 == 0 and not any(w in t.lower() for w in words)]
+    out = convert(DEFAULT_MODEL_DIR, tmp_path / "int4-cal", "int4", head_quant="int4", calibration=texts)
+    ref = coli.load(threads=2)
+    assert _mean_kl(ref, coli.load(out, threads=2)) <= CAL_KL
+    assert _mean_kl(ref, coli.load(threads=2, quant="int4", head_quant="int4")) > 0.125  # the plain fit: 0.1323

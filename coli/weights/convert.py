@@ -36,8 +36,9 @@ class _NoExperts:
 class RecordingWeights(HFWeights):
     """HFWeights that writes every tensor it hands out into a ConvertedWriter."""
 
-    def __init__(self, ckpt: Checkpoint, quant: str, head_quant: str, writer: ConvertedWriter, progress=None):
-        super().__init__(ckpt, quant, head_quant)
+    def __init__(self, ckpt: Checkpoint, quant: str, head_quant: str, writer: ConvertedWriter, progress=None,
+                 calibration=None):
+        super().__init__(ckpt, quant, head_quant, calibration)
         self.writer, self.progress = writer, progress
 
     def _tick(self, n: int = 1) -> None:
@@ -58,18 +59,22 @@ class RecordingWeights(HFWeights):
 
     def experts(self, prefix, sub, names, E, H, I, k):
         mats = []
-        for tensors in self.expert_tensors(prefix, sub, names, E, H, I):
-            mats.append(tuple(quantize(np.ascontiguousarray(t), self.quant) for t in tensors))
+        for e, tensors in enumerate(self.expert_tensors(prefix, sub, names, E, H, I)):
+            mats.append(self.quantize_expert(prefix, sub, names, e, tensors))
             self._tick(3)
         self.writer.add_experts(prefix, mats)
         return _NoExperts(E)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4", *, head_quant: str | None = None,
-            force: bool = False, progress=None) -> Path:
+            force: bool = False, progress=None, calibration: list[str] | dict | None = None,
+            calibration_progress=None) -> Path:
     """Convert ``src`` (a Hugging Face directory or a GGUF file) into ``dst``; returns dst.
 
-    ``progress(n_tensors)`` is called as tensors are written (total: ``count_tensors``)."""
+    ``progress(n_tensors)`` is called as tensors are written (total: ``count_tensors``).
+    ``calibration``: texts to run ``src`` on in f32 first (coli.calibration.collect), or
+    what collect returned for them; int4 matrices are then rounded by GPTQ against their
+    inputs' E[x x^T] (``calibration_progress(done, total)`` per piece of text)."""
     from coli.models import build_model
 
     from coli.weights.gguf import is_gguf
@@ -79,7 +84,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
     head_quant = check_format(head_quant or default_head_quant(quant))
     if is_converted(src):
         raise InvalidRequestError(f"{src}: already a converted coli directory")
-    gguf = is_gguf(src)  # a GGUF file: coli.weights.gguf_convert writes config, tokenizer and tensors
+    gguf = is_gguf(src)
+    if calibration is not None:
+        if gguf:
+            raise InvalidRequestError(f"{src}: calibration needs a Hugging Face directory (a GGUF's tensors are "
+                                      "repacked or re-rounded as they are)")
+        if "int4" not in (quant, head_quant):
+            raise InvalidRequestError(f"calibration weights int4's rounding only; --quant {quant} and --head-quant "
+                                      f"{head_quant} have none")  # a GGUF file: coli.weights.gguf_convert writes config, tokenizer and tensors
     cfg = None if gguf else ModelConfig.from_dir(src)
     ckpt = None if gguf else Checkpoint(src)
     if dst.exists() and not force:
@@ -93,8 +105,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
 
             convert_gguf(src, tmp, quant, head_quant, progress)
         else:
+            stats = None
+            if isinstance(calibration, dict):
+                stats = calibration
+            elif calibration is not None:
+                from coli.calibration import collect
+
+                stats = collect(src, calibration, progress=calibration_progress)
             writer = ConvertedWriter(tmp, quant, head_quant)
-            recorder = RecordingWeights(ckpt, quant, head_quant, writer, progress)
+            recorder = RecordingWeights(ckpt, quant, head_quant, writer, progress, stats)
             net = build_model(cfg, recorder)
             from coli.speculate import mtp
 

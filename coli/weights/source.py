@@ -87,12 +87,16 @@ class Weights:
 
 
 class HFWeights(Weights):
-    """A Hugging Face checkpoint, quantized to ``quant`` as it loads."""
+    """A Hugging Face checkpoint, quantized to ``quant`` as it loads. ``calibration`` maps
+    matrix names to statistics of their inputs (coli.calibration.collect), which int4
+    rounds by (coli.quant.quantize); a matrix without an entry gets the plain fit."""
 
-    def __init__(self, ckpt: Checkpoint, quant: str = "f32", head_quant: str | None = None):
+    def __init__(self, ckpt: Checkpoint, quant: str = "f32", head_quant: str | None = None,
+                 calibration: dict[str, np.ndarray] | None = None):
         self.ckpt = ckpt
         self.quant = check_format(quant)
         self.head_quant = check_format(head_quant or default_head_quant(quant))
+        self.calibration = calibration or {}
 
     def __call__(self, name: str, *shape: int) -> np.ndarray:
         return self.ckpt.f32(name, shape)
@@ -105,7 +109,7 @@ class HFWeights(Weights):
         w = self.ckpt.f32(name, (rows, cols))
         if row_order is not None:
             w = np.ascontiguousarray(w[row_order])
-        q = quantize(w, fmt or self.quant)
+        q = quantize(w, fmt or self.quant, self.calibration.get(name))
         if (fmt or self.quant) != "f32":  # the quantized copy is what runs: the source pages can go
             self.ckpt.release(name)
         return q
@@ -125,10 +129,15 @@ class HFWeights(Weights):
                 yield (f(f"{prefix}.{sub}.{e}.{g}.weight", (I, H)), f(f"{prefix}.{sub}.{e}.{u}.weight", (I, H)),
                        f(f"{prefix}.{sub}.{e}.{d}.weight", (H, I)))
 
+    def quantize_expert(self, prefix: str, sub: str, names, e: int, mats) -> tuple[K.QMatrix, ...]:
+        """Expert e's (gate, up, down) in self.quant, each with its calibration statistics if any."""
+        return tuple(quantize(np.ascontiguousarray(m), self.quant, self.calibration.get(f"{prefix}.{sub}.{e}.{n}.weight"))
+                     for m, n in zip(mats, names))
+
     def experts(self, prefix, sub, names, E, H, I, k) -> ResidentExperts:
         table = K.ExpertTable(E, H, I, K.FORMATS[self.quant])
         for e, mats in enumerate(self.expert_tensors(prefix, sub, names, E, H, I)):
-            table.set(e, *(quantize(np.ascontiguousarray(m), self.quant) for m in mats))
+            table.set(e, *self.quantize_expert(prefix, sub, names, e, mats))
             if self.quant != "f32":
                 for n in (f"{prefix}.{sub}.{e}.{x}.weight" for x in names):
                     self.ckpt.release(n)
