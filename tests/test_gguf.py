@@ -3,6 +3,8 @@ from the tiny seeded checkpoints, against the same checkpoint loaded from safete
 Q4_0/Q4_1 repacked bit for bit; the other types within their error; bad files refused in one line."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -363,3 +365,26 @@ def test_a_sentencepiece_vocabulary_gives_the_hugging_face_ids(tmp_path):
     for text in texts:
         assert mine.encode(text) == hf.encode(text), text
     assert mine.encode("hi")[0] == vocab["<s>"] and mine.decode(mine.encode("Hello world")[1:]) == "Hello world"
+
+
+def test_coli_convert_takes_a_gguf_file(ggufs, tmp_path):
+    """`coli convert model.gguf OUT` (what loading a GGUF with --ram-budget tells the user to
+    run) converts the file; a path that is neither a directory nor a GGUF is one line, exit 2."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    src = ggufs("qwen3_moe", "Q8_0")
+    out = tmp_path / "conv"
+    r = subprocess.run([sys.executable, "-m", "coli.cli", "convert", str(src), str(out), "-q", "int8"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ids = prompt_ids(8)
+    assert np.array_equal(coli.load(out, threads=1).forward(ids), coli.load(src, threads=1).forward(ids))
+    (tmp_path / "notes.txt").write_text("not a model")
+    for bad, says in ((tmp_path / "notes.txt", "neither a directory nor a GGUF file"),
+                      (tmp_path / "missing", "no such directory or file")):
+        r = subprocess.run([sys.executable, "-m", "coli.cli", "convert", str(bad), str(tmp_path / "x")],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

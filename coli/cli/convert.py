@@ -33,8 +33,11 @@ def convert(
 
     from coli.weights.convert import convert as do_convert, count_tensors
 
-    if not Path(src).is_dir():
-        raise fail(f"{src}: not a directory (pass a Hugging Face model directory)")
+    from coli.weights.gguf import is_gguf
+
+    if not Path(src).is_dir() and not (Path(src).is_file() and is_gguf(src)):
+        raise fail(f"{src}: neither a directory nor a GGUF file (pass a Hugging Face model directory or a .gguf)"
+                   if Path(src).exists() else f"{src}: no such directory or file")
     texts = None
     if calibration is not None:
         from coli import calibration as cal
