@@ -67,8 +67,8 @@ def test_every_server_and_model_option_has_a_coli_variable():
     assert not missing
 
 
-def test_convert_of_a_missing_directory_says_not_a_directory(tmp_path):
-    one_line_error(coli("convert", str(tmp_path / "nope"), str(tmp_path / "out")), "not a directory")
+def test_convert_of_a_missing_source_says_so(tmp_path):
+    one_line_error(coli("convert", str(tmp_path / "nope"), str(tmp_path / "out")), "no such directory or file")
 
 
 def test_a_cut_answer_says_why_on_stderr_and_coli_ctx_works(hf_models):

@@ -20,7 +20,9 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
-stderr = Console(stderr=True, highlight=False)
+# Not a terminal (a pipe, a log file, a test): messages stay one line each, however long (a
+# script greps them; rich would otherwise break them at 80 columns).
+stderr = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="COLI_MODEL", show_envvar=True,
