@@ -19,6 +19,15 @@ from coli.api import DEFAULT_MODEL_DIR
 HELD_OUT = ["river", "horse", "memory", "danger", "culture"]
 
 
+def _kl_sum(r, q):
+    """Sum over positions of KL(softmax(r) || softmax(q)), logits (positions, vocab) in float64."""
+    lr = r - r.max(-1, keepdims=True)
+    lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
+    lq = q - q.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    return float((np.exp(lr) * (lr - lq)).sum())
+
+
 @pytest.fixture(scope="module")
 def model():
     return coli.load(threads=2)
@@ -103,11 +112,7 @@ def test_int8_stays_within_the_documented_tolerance():
         r, q = f32.forward(ids).astype(np.float64), q8.forward(ids).astype(np.float64)
         num += float(((q - r) ** 2).sum())
         den += float((r ** 2).sum())
-        lr = r - r.max(-1, keepdims=True)
-        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
-        lq = q - q.max(-1, keepdims=True)
-        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-        kl += float((np.exp(lr) * (lr - lq)).sum())
+        kl += _kl_sum(r, q)
         n += len(r)
     assert (num / den) ** 0.5 <= 0.049
     assert kl / n <= 0.0065
@@ -125,11 +130,7 @@ def _mean_kl(ref, model):
     for t in PROMPTS:
         ids = ref.prompt_ids(t)
         r, q = ref.forward(ids).astype(np.float64), model.forward(ids).astype(np.float64)
-        lr = r - r.max(-1, keepdims=True)
-        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
-        lq = q - q.max(-1, keepdims=True)
-        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-        kl += float((np.exp(lr) * (lr - lq)).sum())
+        kl += _kl_sum(r, q)
         n += len(r)
     return kl / n
 

@@ -67,6 +67,16 @@ static inline float coli_f16_to_f32(uint16_t h) {
 #endif
 }
 
+#if defined(COLI_NEON)
+/* One group of 32 floats loaded into v, and its |x| max ignoring NaN as the plain-C loops
+ * do (fmaxnm): the NEON quantizers' common first step (int8 here, int16 in simd_q16.h). */
+static inline float coli_group_amax_neon(const float *x, float32x4_t v[8]) {
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + 4 * k), m = vmaxnmq_f32(m, vabsq_f32(v[k]));
+    return vmaxnmvq_f32(m);
+}
+#endif
+
 /* Quantize one row of K floats into Kp/32 int8 groups: q = round(x / d), d = max|x| / 127
  * (round half to even, as lrintf). Whole groups go 32 lanes at a time on AVX-512 and NEON
  * with the same float operations, so every path gives the same bytes. */
@@ -87,9 +97,8 @@ static inline void coli_quantize_row_q8(const float *x, int K, int8_t *q, float 
     }
 #elif defined(COLI_NEON) /* |x| max ignoring NaN as the loop below does (fmaxnm), fcvtns = lrintf */
     for (; b < K / QK; b++) {
-        float32x4_t v[8], m = vdupq_n_f32(0.0f);
-        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k), m = vmaxnmq_f32(m, vabsq_f32(v[k]));
-        float amax = vmaxnmvq_f32(m);
+        float32x4_t v[8];
+        float amax = coli_group_amax_neon(x + b * QK, v);
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32x4_t qi[8], sum = vdupq_n_s32(0);
         for (int k = 0; k < 8; k++) qi[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], inv)), sum = vaddq_s32(sum, qi[k]);

@@ -86,9 +86,8 @@ static inline void coli_quantize_row_q16(const float *x, int K, int16_t *q, floa
     }
 #elif defined(COLI_NEON) /* |x| max ignoring NaN as the loop below does (fmaxnm), fcvtns = lrintf */
     for (; b < K / QK; b++) {
-        float32x4_t v[8], m = vdupq_n_f32(0.0f);
-        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k), m = vmaxnmq_f32(m, vabsq_f32(v[k]));
-        float amax = vmaxnmvq_f32(m);
+        float32x4_t v[8];
+        float amax = coli_group_amax_neon(x + b * QK, v);
         float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         long f = coli_q16_first(b, nb);
         int g = coli_q16_gap(b, nb);
