@@ -642,13 +642,6 @@ static inline void coli_gemm_tokens(const float *P, int M, const float *W, long 
     }
 }
 
-static inline float coli_silu(float x) { return x / (1.0f + expf(-x)); }
-
-static inline float coli_gelu_tanh(float x) {
-    const float c = 0.7978845608028654f; /* sqrt(2/pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
-
 /* out[i] = act(g[i]) * u[i] for i < n (act 0: silu, 1: gelu_tanh; out may be g), CV_W lanes at a
  * time with cv_exp (the tail: the same arithmetic on a partial vector, so an element's result
  * does not depend on where it sits). silu(g) = g / (1 + e^-g); gelu_tanh(g) = 0.5 g (1 + tanh z)
