@@ -84,14 +84,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, quant: str = "int4",
     head_quant = check_format(head_quant or default_head_quant(quant))
     if is_converted(src):
         raise InvalidRequestError(f"{src}: already a converted coli directory")
-    gguf = is_gguf(src)
+    gguf = is_gguf(src)  # a GGUF file: coli.weights.gguf_convert writes config, tokenizer and tensors
     if calibration is not None:
         if gguf:
             raise InvalidRequestError(f"{src}: calibration needs a Hugging Face directory (a GGUF's tensors are "
                                       "repacked or re-rounded as they are)")
         if "int4" not in (quant, head_quant):
             raise InvalidRequestError(f"calibration weights int4's rounding only; --quant {quant} and --head-quant "
-                                      f"{head_quant} have none")  # a GGUF file: coli.weights.gguf_convert writes config, tokenizer and tensors
+                                      f"{head_quant} have none")
     cfg = None if gguf else ModelConfig.from_dir(src)
     ckpt = None if gguf else Checkpoint(src)
     if dst.exists() and not force:
