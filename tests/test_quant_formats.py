@@ -11,6 +11,7 @@ import pytest
 
 import coli
 from coli import synthetic
+from coli.errors import ModelLoadError
 from coli._engine import kernels as K
 from coli.quant import dequantize, quantize, quantize_int4
 
@@ -84,12 +85,26 @@ def test_version_1_directories_read_int4_as_int4s(tmp_path):
     old = tmp_path / "v1"
     shutil.copytree(d, old)
     man = json.loads((old / "coli.json").read_text())
-    assert man["version"] == 2 and man["quant"] == "int4s"
+    assert man["version"] == 3 and man["quant"] == "int4s"
     text = json.dumps(dict(man, version=1)).replace('"int4s"', '"int4"')
     (old / "coli.json").write_text(text)
     m = coli.load(old)
     assert m.weights.quant == "int4s"
     np.testing.assert_array_equal(m.forward(ids), want)
+
+
+def test_version_2_directories_load_unchanged(tmp_path):
+    """Version 2 is version 3 without column scales: it loads as written; a version this
+    coli does not know is refused with what to do."""
+    d = synthetic.write_converted("tiny", tmp_path / "v3", "int4", seed=1)
+    ids = [1, 5, 9, 2, 7]
+    want = coli.load(d).forward(ids)
+    man = json.loads((d / "coli.json").read_text())
+    (d / "coli.json").write_text(json.dumps(dict(man, version=2)))
+    np.testing.assert_array_equal(coli.load(d).forward(ids), want)
+    (d / "coli.json").write_text(json.dumps(dict(man, version=4)))
+    with pytest.raises(ModelLoadError, match="version 4 is not supported.*convert the model again"):
+        coli.load(d)
 
 
 # ---- int8 weights take int16 activations (coli/_engine/simd_q16.h) ----------------------

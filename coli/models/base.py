@@ -99,13 +99,19 @@ class Batch:
 class Linear:
     """y = x @ W.T (+ b), W in the format chosen at load; int8/int4 quantize x on the fly."""
 
-    def __init__(self, mat: K.QMatrix, bias: np.ndarray | None = None):
-        self.mat, self.bias = mat, bias
+    def __init__(self, mat: K.QMatrix, bias: np.ndarray | None = None, xscale: np.ndarray | None = None):
+        self.mat, self.bias, self.xscale = mat, bias, xscale
         kp = K.padded(mat.cols)  # qlinear's int8 activation scratch: (M, kp), (M, kp/32) x 2
         self.scratch = (("xq", kp, np.int8), ("xqd", kp // 32, np.float32), ("xqs", kp // 32, np.int32))
+        if xscale is not None:  # a column-scaled matrix (coli.colscale): x * s goes in
+            self.scratch += (("xs", mat.cols, np.float32),)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rs: RunState) -> None:
-        K.qlinear(x, self.mat, out, self.bias, *rs.views(self, len(x), self.scratch))
+        views = rs.views(self, len(x), self.scratch)
+        if self.xscale is not None:
+            x = np.multiply(x, self.xscale, out=views[3])
+            views = views[:3]
+        K.qlinear(x, self.mat, out, self.bias, *views)
 
 
 class LinearGroup:
@@ -309,12 +315,14 @@ class DecoderLM:
     def __init__(self, cfg: ModelConfig, w: Weights, layers: list[Layer], *, prefix: str = "model"):
         H, V = cfg.hidden_size, cfg.vocab_size
         self.cfg = cfg
-        self.embed = w.matrix(f"{prefix}.embed_tokens.weight", V, H, w.head_quant)  # (V, H)
+        # (V, H), and its column scales (coli.colscale) or None: the table is dequantize(embed) * s
+        self.embed, self.embed_cols = w.scaled_matrix(f"{prefix}.embed_tokens.weight", V, H, w.head_quant)
         self.norm = w(f"{prefix}.norm.weight", H)
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, xscale=self.embed_cols)
         else:
-            self.lm_head = Linear(w.matrix("lm_head.weight", V, H, w.head_quant))  # (V, H)
+            head, s = w.scaled_matrix("lm_head.weight", V, H, w.head_quant)  # (V, H)
+            self.lm_head = Linear(head, xscale=s)
         self.layers = layers
         self.phases = dict.fromkeys(("attention", "moe", "mlp", "lm_head"), 0.0)  # cumulative seconds
         self.moe_layers: list[MoE] = [l.mlp for l in layers if isinstance(l.mlp, MoE)]
@@ -329,13 +337,19 @@ class DecoderLM:
         # the residual stream x, a block's normed input h and its output o: (M, H) each
         self.bufs = (("x", H, np.float32), ("h", H, np.float32), ("o", H, np.float32))
 
+    def embed_tokens(self, ids: np.ndarray, x: np.ndarray) -> None:
+        """x (M, H) = the embedding rows of ``ids`` (times the model's embedding scale)."""
+        K.embed_rows(ids, self.embed, x, self.embed_scale)
+        if self.embed_cols is not None:
+            x *= self.embed_cols
+
     def forward(self, batch: Batch, rs: RunState, logit_rows: np.ndarray) -> np.ndarray:
         """Run one step; return the (len(logit_rows), vocab) logits of those rows
         (increasing row indices)."""
         M, H = len(batch.ids), self.cfg.hidden_size
         x, h, o = rs.views(self, M, self.bufs)
         ph = self.phases
-        K.embed_rows(batch.ids, self.embed, x, self.embed_scale)
+        self.embed_tokens(batch.ids, x)
         eps, unit = self.eps, self.unit_offset_norm
         # each block's output o joins x in the kernel that norms the next block's input
         for i, layer in enumerate(self.layers):

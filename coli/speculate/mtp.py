@@ -170,7 +170,7 @@ class MTPSource:
         M = len(batch.ids)
         joined = rs.get("mtp_in", M, 2 * H)  # (M, 2H)
         x, h, o = (rs.get(n, M, H) for n in ("mtp_x", "mtp_h", "mtp_o"))
-        K.embed_rows(batch.ids, net.embed, x, net.embed_scale)
+        net.embed_tokens(batch.ids, x)
         K.rmsnorm(x, self.enorm, eps, h, unit)
         K.rmsnorm(np.ascontiguousarray(hidden), self.hnorm, eps, o, unit)
         joined[:, :H], joined[:, H:] = h, o

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from coli import colscale
 from coli.config import ModelConfig
 from coli.errors import InvalidRequestError
 from coli.quant import check_format, quantize
-from coli.weights.converted import CARRIED_FILES, ConvertedWriter, is_converted, source_fingerprint
+from coli.weights.converted import CARRIED_FILES, COL_SCALE, ConvertedWriter, is_converted, source_fingerprint
 from coli.weights.safetensors import Checkpoint
 from coli.weights.source import HFWeights, default_head_quant
 
@@ -56,6 +57,16 @@ class RecordingWeights(HFWeights):
         self.writer.add_matrix(name, m)
         self._tick()
         return m
+
+    def scaled_matrix(self, name, rows, cols, fmt=None):
+        if (fmt or self.quant) not in colscale.FORMATS:  # a plain matrix, written by self.matrix
+            return self.matrix(name, rows, cols, fmt), None
+        m, s = super().scaled_matrix(name, rows, cols, fmt)
+        self.writer.add_matrix(name, m)
+        if s is not None:
+            self.writer.add_f32(name + COL_SCALE, s)
+        self._tick()
+        return m, s
 
     def experts(self, prefix, sub, names, E, H, I, k):
         mats = []

@@ -27,7 +27,8 @@ from coli.weights.source import Weights
 
 MANIFEST = "coli.json"
 FORMAT_NAME = "coli"
-FORMAT_VERSION = 2  # 2: int4 is the asymmetric format (scales and mins); version 1's int4 is int4s
+FORMAT_VERSION = 3  # 3: column scales (NAME.col_scale); 2: int4 is the asymmetric format; 1's int4 is int4s
+COL_SCALE = ".col_scale"  # f32 (cols,) beside a matrix stored as Q(W / s): it stands for dequantize * s
 ALIGN_DENSE = 64
 ALIGN_EXPERT = 4096
 CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -156,9 +157,11 @@ def read_manifest(model_dir: Path) -> dict:
         raise ModelLoadError(f"{path}: not a coli manifest")
     if m.get("version") == 1:
         _upgrade_v1(m)
+    if m.get("version") == 2:  # the same layout, written before column scales existed (it has none)
+        m["version"] = FORMAT_VERSION
     if m.get("version") != FORMAT_VERSION:
         raise ModelLoadError(f"{path}: format version {m.get('version')} is not supported (this coli reads "
-                             f"versions 1 and {FORMAT_VERSION}); convert the model again")
+                             f"versions 1 to {FORMAT_VERSION}); convert the model again")
     for section in ("dense", "experts"):
         f = model_dir / m[section]["file"]
         size = f.stat().st_size if f.exists() else -1
@@ -216,6 +219,10 @@ class ConvertedWeights(Weights):
         if e["kind"] != "matrix" or (e["rows"], e["cols"]) != (rows, cols):
             raise ModelLoadError(f"{self.dir / MANIFEST}: tensor {name!r} is not a ({rows}, {cols}) matrix")
         return matrix_view(e, lambda span, dt: self._view(span, dt))
+
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None):
+        s = self(name + COL_SCALE, cols) if self.has(name + COL_SCALE) else None
+        return self.matrix(name, rows, cols, fmt), s
 
     def experts(self, prefix, sub, names, E, H, I, k):
         return self.store.layer(prefix, E, H, I, k)

@@ -64,6 +64,12 @@ class Weights:
         already stores the reordered matrix and ignores it."""
         raise NotImplementedError
 
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> tuple[K.QMatrix, np.ndarray | None]:
+        """Matrix ``name`` and its column scales (coli.colscale) or None: the matrix stands for
+        ``dequantize(m) * s``. Used for the embedding table and the LM head; a source that
+        does not choose scales hands out the plain matrix."""
+        return self.matrix(name, rows, cols, fmt), None
+
     def experts(self, prefix: str, sub: str, names: tuple[str, str, str], E: int, H: int, I: int, k: int):
         raise NotImplementedError
 
@@ -113,6 +119,16 @@ class HFWeights(Weights):
         if (fmt or self.quant) != "f32":  # the quantized copy is what runs: the source pages can go
             self.ckpt.release(name)
         return q
+
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None):
+        from coli import colscale
+
+        fmt = fmt or self.quant
+        if fmt not in colscale.FORMATS:
+            return self.matrix(name, rows, cols, fmt), None
+        q, s = colscale.choose(self.ckpt.f32(name, (rows, cols)), fmt, self.calibration.get(name))
+        self.ckpt.release(name)
+        return q, s
 
     def expert_tensors(self, prefix: str, sub: str, names, E: int, H: int, I: int) -> Iterator[tuple]:
         """(gate (I, H), up (I, H), down (H, I)) float32 for each expert, from per-expert
