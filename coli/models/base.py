@@ -312,16 +312,20 @@ class Layer:
 class DecoderLM:
     """Embedding, pre-norm decoder layers, final norm, LM head."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, layers: list[Layer], *, prefix: str = "model"):
+    def __init__(self, cfg: ModelConfig, w: Weights, layers: list[Layer], *, prefix: str = "model",
+                 unit_offset_norm: bool = False):
         H, V = cfg.hidden_size, cfg.vocab_size
         self.cfg = cfg
-        # (V, H), and its column scales (coli.colscale) or None: the table is dequantize(embed) * s
-        self.embed, self.embed_cols = w.scaled_matrix(f"{prefix}.embed_tokens.weight", V, H, w.head_quant)
         self.norm = w(f"{prefix}.norm.weight", H)
-        if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
+        g = self.norm + 1.0 if unit_offset_norm else self.norm  # what the final norm multiplies by
+        tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
+        # (V, H), and its column scales (coli.colscale) or None: the table is dequantize(embed) * s
+        self.embed, self.embed_cols = w.scaled_matrix(f"{prefix}.embed_tokens.weight", V, H, w.head_quant,
+                                                      g if tied else None)
+        if tied:
             self.lm_head = Linear(self.embed, xscale=self.embed_cols)
         else:
-            head, s = w.scaled_matrix("lm_head.weight", V, H, w.head_quant)  # (V, H)
+            head, s = w.scaled_matrix("lm_head.weight", V, H, w.head_quant, g)  # (V, H)
             self.lm_head = Linear(head, xscale=s)
         self.layers = layers
         self.phases = dict.fromkeys(("attention", "moe", "mlp", "lm_head"), 0.0)  # cumulative seconds
@@ -331,7 +335,7 @@ class DecoderLM:
             a.next = b
         self.eps = cfg.rms_norm_eps
         self.embed_scale = 1.0
-        self.unit_offset_norm = False  # Gemma's RMSNorm scales by (1 + weight)
+        self.unit_offset_norm = unit_offset_norm  # Gemma's RMSNorm scales by (1 + weight)
         self.final_softcap = 0.0  # logits = cap * tanh(logits / cap) when set
         H = cfg.hidden_size
         # the residual stream x, a block's normed input h and its output o: (M, H) each

@@ -17,8 +17,7 @@ def build(cfg, w):
         layer.attn_out_norm = layer.post_norm
         layer.post_norm = w(f"{p}.pre_feedforward_layernorm.weight", H)
         layer.mlp_out_norm = w(f"{p}.post_feedforward_layernorm.weight", H)
-    model = DecoderLM(cfg, w, layers)
+    model = DecoderLM(cfg, w, layers, unit_offset_norm=True)
     model.embed_scale = float(np.float32(H ** 0.5))
-    model.unit_offset_norm = True
     model.final_softcap = float(r.get("final_logit_softcapping") or 0.0)
     return model

@@ -58,10 +58,10 @@ class RecordingWeights(HFWeights):
         self._tick()
         return m
 
-    def scaled_matrix(self, name, rows, cols, fmt=None):
+    def scaled_matrix(self, name, rows, cols, fmt=None, norm=None):
         if (fmt or self.quant) not in colscale.FORMATS:  # a plain matrix, written by self.matrix
             return self.matrix(name, rows, cols, fmt), None
-        m, s = super().scaled_matrix(name, rows, cols, fmt)
+        m, s = super().scaled_matrix(name, rows, cols, fmt, norm)
         self.writer.add_matrix(name, m)
         if s is not None:
             self.writer.add_f32(name + COL_SCALE, s)

@@ -220,7 +220,7 @@ class ConvertedWeights(Weights):
             raise ModelLoadError(f"{self.dir / MANIFEST}: tensor {name!r} is not a ({rows}, {cols}) matrix")
         return matrix_view(e, lambda span, dt: self._view(span, dt))
 
-    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None):
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None, norm=None):
         s = self(name + COL_SCALE, cols) if self.has(name + COL_SCALE) else None
         return self.matrix(name, rows, cols, fmt), s
 

@@ -64,10 +64,12 @@ class Weights:
         already stores the reordered matrix and ignores it."""
         raise NotImplementedError
 
-    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None) -> tuple[K.QMatrix, np.ndarray | None]:
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None,
+                      norm: np.ndarray | None = None) -> tuple[K.QMatrix, np.ndarray | None]:
         """Matrix ``name`` and its column scales (coli.colscale) or None: the matrix stands for
-        ``dequantize(m) * s``. Used for the embedding table and the LM head; a source that
-        does not choose scales hands out the plain matrix."""
+        ``dequantize(m) * s``. Used for the embedding table and the LM head (``norm``: the
+        weight of the norm before it); a source that does not choose scales hands out the
+        plain matrix."""
         return self.matrix(name, rows, cols, fmt), None
 
     def experts(self, prefix: str, sub: str, names: tuple[str, str, str], E: int, H: int, I: int, k: int):
@@ -120,13 +122,13 @@ class HFWeights(Weights):
             self.ckpt.release(name)
         return q
 
-    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None):
+    def scaled_matrix(self, name: str, rows: int, cols: int, fmt: str | None = None, norm=None):
         from coli import colscale
 
         fmt = fmt or self.quant
         if fmt not in colscale.FORMATS:
             return self.matrix(name, rows, cols, fmt), None
-        q, s = colscale.choose(self.ckpt.f32(name, (rows, cols)), fmt, self.calibration.get(name))
+        q, s = colscale.choose(self.ckpt.f32(name, (rows, cols)), fmt, self.calibration.get(name), norm)
         self.ckpt.release(name)
         return q, s
 
