@@ -139,6 +139,247 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
     return (float)_mm512_reduce_add_epi32(d) * scale;
 }
 
+#if defined(__AVX512VNNI__)
+/* ---- AVX-512 VNNI: a whole (row, group) sum per int32 lane --------------------------------
+ * The plain tiles below spend a float conversion, a scale multiply and an fma per token, row
+ * and 2 groups, more than their 2 multiply-adds. Here the weights of a chunk of G groups
+ * (G = 16 while 16 are left, then 8, 4, 2; a last odd group is a pair with a zero group) are
+ * transposed once per row in registers so that the T = G / 2 multiply-adds of a token leave
+ * in each int32 lane an exact sum over 32 / (16 / G) values of one group (16 lanes = G
+ * groups x 16 / G parts), and one convert, one scale multiply and one fma per token serve
+ * the whole chunk.
+ *
+ * The multiply-add is vpdpbusd (unsigned x signed bytes, 4 per lane): an int16 activation
+ * x is split into the bytes of x + 32768 = 256 hi + lo (both unsigned), so
+ * w . x = 256 (w . hi - 128 sum w) + w . lo, with 128 sum w taken per row by the same
+ * instruction on bytes of 128 (all sums exact in int32: |w . hi| < 2^20, the total
+ * < 32 * 127 * 32767 < 2^27). The weights stay bytes: no widening.
+ *
+ * Transpose: a chunk's T natural registers (register r = groups 2r, 2r + 1 of 8 dword
+ * quads each: lane m = (g & 1) << 3 | quad) go through log2 T stages; stage k swaps register
+ * bit k with lane bit k (two vpermt2d per register pair). Afterwards step t (register t)
+ * holds in lane m quad t | (m & (7 & ~(T - 1))) of group (m >> 3) | ((m & (T - 1)) << 1).
+ * Each token's activations are arranged once per call (coli_q16_arrange) by the same
+ * transpose: per chunk T registers of lo bytes, T of hi bytes, then its 16 group scales in
+ * lane order.
+ *
+ * The same bits alone or in any batch: a token's operations do not depend on the tile or
+ * its slot (integer sums are exact in any order, so the number of chains may vary; the
+ * float sums run chunk by chunk per lane, then over the 16 lanes). */
+#define COLI_Q16V 1
+#define COLI_Q16V_MR 8   /* tokens per tile */
+#define COLI_UNROLL _Pragma("GCC unroll 16")
+
+/* groups in the chunk that starts with left groups to go (>= 1) */
+static inline int coli_q16v_groups(int left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
+
+/* Bytes of coli_q16_arrange's output per token: per chunk of T steps, 2T + 1 vectors. */
+static inline long coli_q16_xe_ld(int M, int K) {
+    (void)M;
+    int nb = (K + QK - 1) / QK;
+    long v = 0;
+    for (int b = 0; b < nb;) {
+        int G = coli_q16v_groups(nb - b);
+        v += G + 1;
+        b += G;
+    }
+    return v * 64;
+}
+
+static const int32_t coli_q16v_perm[3][2][16] = {
+    {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+     {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+     {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+    {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+     {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+};
+
+/* lane m -> its group in a chunk of T steps (the scales' order) */
+static const int32_t coli_q16v_lanegroup[4][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},          /* T = 1 */
+    {0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3},          /* T = 2 */
+    {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7},          /* T = 4 */
+    {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15},    /* T = 8 */
+};
+
+static inline __m512i coli_q16v_lanes(int T) {
+    return _mm512_loadu_si512((const void *)coli_q16v_lanegroup[T == 1 ? 0 : T == 2 ? 1 : T == 4 ? 2 : 3]);
+}
+
+/* stage k of the transpose below: register bit k <-> lane bit k */
+static inline __attribute__((always_inline)) void coli_q16v_stage(__m512i *R, int T, int k) {
+    __m512i ia = _mm512_loadu_si512((const void *)coli_q16v_perm[k][0]);
+    __m512i ib = _mm512_loadu_si512((const void *)coli_q16v_perm[k][1]);
+    COLI_UNROLL
+    for (int p = 0; p < T / 2; p++) {
+        int i = ((p >> k) << (k + 1)) | (p & ((1 << k) - 1)), j = i | (1 << k);
+        __m512i a = R[i], b = R[j];
+        R[i] = _mm512_permutex2var_epi32(a, ia, b);
+        R[j] = _mm512_permutex2var_epi32(a, ib, b);
+    }
+}
+
+/* the transpose above, in place on R[0 .. T-1] */
+static inline __attribute__((always_inline)) void coli_q16v_transpose(__m512i *R, int T) {
+    if (T >= 2) coli_q16v_stage(R, T, 0);
+    if (T >= 4) coli_q16v_stage(R, T, 1);
+    if (T >= 8) coli_q16v_stage(R, T, 2);
+}
+
+/* xe (M rows of lde bytes, 64-byte aligned) = the int16 activations of a arranged for the
+ * tiles below. */
+static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
+    int nb = (K + QK - 1) / QK;
+    const __m512i flip = _mm512_set1_epi16((short)0x8000);
+    for (int i = 0; i < M; i++) {
+        const int16_t *q = a->q + i * a->ldq;
+        const float *qd = a->qd + i * a->ldb;
+        uint8_t *o = xe + i * lde;
+        for (int b = 0; b < nb;) {
+            int G = coli_q16v_groups(nb - b), T = G / 2;
+            __m512i lo[8], hi[8];
+            COLI_UNROLL
+            for (int r = 0; r < T; r++) {
+                int g = b + 2 * r;
+                __m256i l0, l1, h0, h1;
+                if (g + 1 < nb) { /* a pair: b[0:16], b+1[0:16], b[16:32], b+1[16:32] */
+                    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK)), flip);
+                    __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK + 32)), flip);
+                    l0 = _mm512_cvtepi16_epi8(x0);
+                    l1 = _mm512_cvtepi16_epi8(x1);
+                    h0 = _mm512_cvtepi16_epi8(_mm512_srli_epi16(x0, 8));
+                    h1 = _mm512_cvtepi16_epi8(_mm512_srli_epi16(x1, 8));
+                    /* 128-bit blocks (l0a, l0b, l1a, l1b) -> natural (l0a, l1a, l0b, l1b) */
+                    lo[r] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1),
+                                                 _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1), 0xD8);
+                    hi[r] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1),
+                                                 _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), 0xD8);
+                } else { /* the odd last group, natural; its partner's weights are zeros */
+                    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK)), flip);
+                    lo[r] = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(x0));
+                    hi[r] = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(x0, 8)));
+                    lo[r] = _mm512_inserti64x4(lo[r], _mm256_setzero_si256(), 1);
+                    hi[r] = _mm512_inserti64x4(hi[r], _mm256_setzero_si256(), 1);
+                }
+            }
+            coli_q16v_transpose(lo, T);
+            coli_q16v_transpose(hi, T);
+            COLI_UNROLL
+            for (int t = 0; t < T; t++) {
+                _mm512_store_si512((void *)(o + 64 * t), lo[t]);
+                _mm512_store_si512((void *)(o + 64 * (T + t)), hi[t]);
+            }
+            int n = nb - b < G ? nb - b : G;
+            __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), qd + b);
+            _mm512_store_ps((void *)(o + 64 * 2 * T), _mm512_permutexvar_ps(coli_q16v_lanes(T), s));
+            o += 64 * (2 * T + 1);
+            b += G;
+        }
+    }
+}
+
+/* One chunk (T steps, n real groups from b) of one weight row for MR tokens. */
+static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int T, const uint8_t *xe, long lde,
+                                                                 const int8_t *w, const uint16_t *wd, int n,
+                                                                 __m512 *acc) {
+    __m512i W[8], h = _mm512_setzero_si512();
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+    COLI_UNROLL
+    for (int r = 0; r < T; r++)
+        W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + 64 * r))
+                             : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + 64 * r);
+    coli_q16v_transpose(W, T);
+    __m512i hs[4];
+    COLI_UNROLL
+    for (int c = 0; c < 4; c++) hs[c] = _mm512_setzero_si512();
+    COLI_UNROLL
+    for (int t = 0; t < T; t++) hs[t % 4] = _mm512_dpbusd_epi32(hs[t % 4], c128, W[t]);
+    h = _mm512_sub_epi32(_mm512_sub_epi32(h, _mm512_add_epi32(hs[0], hs[1])), _mm512_add_epi32(hs[2], hs[3]));
+    /* h: -128 sum w per lane */
+    __m512 ws = _mm512_permutexvar_ps(coli_q16v_lanes(T),
+                                      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), wd)));
+    const int CH = MR == 1 ? 4 : MR <= 3 ? 2 : 1; /* int32 chains per token */
+    COLI_UNROLL
+    for (int i = 0; i < MR; i++) {
+        const uint8_t *o = xe + i * lde;
+        __m512i L[4], H[4];
+        COLI_UNROLL
+        for (int c = 0; c < CH; c++) { L[c] = _mm512_setzero_si512(); H[c] = _mm512_setzero_si512(); }
+        H[0] = h;
+        COLI_UNROLL
+        for (int t = 0; t < T; t++) {
+            L[t % CH] = _mm512_dpbusd_epi32(L[t % CH], _mm512_load_si512((const void *)(o + 64 * t)), W[t]);
+            H[t % CH] = _mm512_dpbusd_epi32(H[t % CH], _mm512_load_si512((const void *)(o + 64 * (T + t))), W[t]);
+        }
+        __m512i l = L[0], hh = H[0];
+        COLI_UNROLL
+        for (int c = 1; c < CH && c < T; c++) { l = _mm512_add_epi32(l, L[c]); hh = _mm512_add_epi32(hh, H[c]); }
+        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hh, 8), l);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 64 * 2 * T))),
+                                 acc[i]);
+    }
+}
+
+/* MR tokens (arranged activations xe, lde bytes apart) x one weight row of nb groups */
+#define COLI_Q16VTILE(MR)                                                                          \
+    static inline void coli_q16vtile_##MR(const uint8_t *xe, long lde, const int8_t *w, const uint16_t *wd, \
+                                         int nb, float *Y, long ldy) {                             \
+        __m512 acc[MR < 4 ? 4 : (MR + 3) / 4 * 4];                                                 \
+        for (int i = 0; i < (MR < 4 ? 4 : (MR + 3) / 4 * 4); i++) acc[i] = _mm512_setzero_ps();    \
+        const uint8_t *o = xe;                                                                     \
+        for (int b = 0; b < nb;) {                                                                 \
+            int G = coli_q16v_groups(nb - b), n = nb - b < G ? nb - b : G;                         \
+            switch (G) {                                                                           \
+            case 16: coli_q16v_chunk(MR, 8, o, lde, w + (long)b * QK, wd + b, n, acc); break;       \
+            case 8: coli_q16v_chunk(MR, 4, o, lde, w + (long)b * QK, wd + b, n, acc); break;        \
+            case 4: coli_q16v_chunk(MR, 2, o, lde, w + (long)b * QK, wd + b, n, acc); break;        \
+            default: coli_q16v_chunk(MR, 1, o, lde, w + (long)b * QK, wd + b, n, acc); break;       \
+            }                                                                                      \
+            o += 64 * (G + 1);                                                                     \
+            b += G;                                                                                \
+        }                                                                                          \
+        COLI_UNROLL                                                                                \
+        for (int i = 0; i < MR; i += 4) {                                                          \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_hsum4_512(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));       \
+            for (int j = 0; j < 4 && i + j < MR; j++) Y[(i + j) * ldy] = sums[j];                  \
+        }                                                                                          \
+    }
+
+COLI_Q16VTILE(1) COLI_Q16VTILE(2) COLI_Q16VTILE(3) COLI_Q16VTILE(4)
+COLI_Q16VTILE(5) COLI_Q16VTILE(6) COLI_Q16VTILE(7) COLI_Q16VTILE(8)
+
+static inline void coli_q16vtile(int mr, const uint8_t *xe, long lde, const int8_t *w, const uint16_t *wd, int nb,
+                                 float *Y, long ldy) {
+    switch (mr) {
+    case 1: coli_q16vtile_1(xe, lde, w, wd, nb, Y, ldy); break; /* same bits as in a batch */
+    case 2: coli_q16vtile_2(xe, lde, w, wd, nb, Y, ldy); break;
+    case 3: coli_q16vtile_3(xe, lde, w, wd, nb, Y, ldy); break;
+    case 4: coli_q16vtile_4(xe, lde, w, wd, nb, Y, ldy); break;
+    case 5: coli_q16vtile_5(xe, lde, w, wd, nb, Y, ldy); break;
+    case 6: coli_q16vtile_6(xe, lde, w, wd, nb, Y, ldy); break;
+    case 7: coli_q16vtile_7(xe, lde, w, wd, nb, Y, ldy); break;
+    default: coli_q16vtile_8(xe, lde, w, wd, nb, Y, ldy); break;
+    }
+}
+
+/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
+ * arranged (a->xe); one row x up to 8 tokens per tile, the row's transpose paid once for
+ * them. K: logical columns. */
+static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
+    const uint16_t *wd = W->d + (long)n0 * W->ldd;
+    for (int n = 0; n < nb; n++)
+        for (int m = 0; m < M; m += COLI_Q16V_MR) {
+            int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR;
+            coli_q16vtile(mr, a->xe + (long)m * a->lde, a->lde, wq + (long)n * W->ldw, wd + (long)n * W->ldd, ngroups,
+                          Y + (long)m * ldy + n0 + n, ldy);
+        }
+}
+#else /* AVX-512 without VNNI: the plain tiles */
 /* MR tokens x NR rows, two groups (64 weights of a row) per step: lanes 0-7 of the int32
  * sums belong to group b, 8-15 to b + 1, scaled by the scales of 16 groups loaded once
  * per chunk and permuted into place (with one token its scale is folded into the weights'
@@ -199,6 +440,7 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
             }                                                                                      \
         }                                                                                          \
     }
+#endif /* __AVX512VNNI__ */
 #elif defined(__AVX2__)
 #define COLI_Q16X 1      /* the interleaved tiles below */
 #define COLI_Q16X_G 2    /* groups per step: one per 128-bit lane */
@@ -429,7 +671,7 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
 
 #endif
 
-#if !defined(COLI_Q16X)
+#if !defined(COLI_Q16X) && !defined(COLI_Q16V)
 /* The plain tiles (AVX-512, scalar): no arranged activations. */
 static inline long coli_q16_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
 static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
