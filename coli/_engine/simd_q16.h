@@ -173,14 +173,14 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
 /* groups in the chunk that starts with left groups to go (>= 1) */
 static inline int coli_q16v_groups(int left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
 
-/* Bytes of coli_q16_arrange's output per token: per chunk of T steps, 2T + 1 vectors. */
+/* Bytes of coli_q16_arrange's output per token: per chunk of T steps, 2T + 2 vectors. */
 static inline long coli_q16_xe_ld(int M, int K) {
     (void)M;
     int nb = (K + QK - 1) / QK;
     long v = 0;
     for (int b = 0; b < nb;) {
         int G = coli_q16v_groups(nb - b);
-        v += G + 1;
+        v += G + 2;
         b += G;
     }
     return v * 64;
@@ -228,10 +228,11 @@ static inline __attribute__((always_inline)) void coli_q16v_transpose(__m512i *R
 }
 
 /* xe (M rows of lde bytes, 64-byte aligned) = the int16 activations of a arranged for the
- * tiles below. */
+ * tiles below: per chunk T vectors of lo bytes, T of hi bytes, the hi correction
+ * -128 sum hi per lane (int32), the scales in lane order. */
 static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
     int nb = (K + QK - 1) / QK;
-    const __m512i flip = _mm512_set1_epi16((short)0x8000);
+    const __m512i one = _mm512_set1_epi8(1);
     for (int i = 0; i < M; i++) {
         const int16_t *q = a->q + i * a->ldq;
         const float *qd = a->qd + i * a->ldb;
@@ -239,145 +240,150 @@ static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *
         for (int b = 0; b < nb;) {
             int G = coli_q16v_groups(nb - b), T = G / 2;
             __m512i lo[8], hi[8];
-            COLI_UNROLL
             for (int r = 0; r < T; r++) {
                 int g = b + 2 * r;
-                __m256i l0, l1, h0, h1;
                 if (g + 1 < nb) { /* a pair: b[0:16], b+1[0:16], b[16:32], b+1[16:32] */
-                    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK)), flip);
-                    __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK + 32)), flip);
-                    l0 = _mm512_cvtepi16_epi8(x0);
-                    l1 = _mm512_cvtepi16_epi8(x1);
-                    h0 = _mm512_cvtepi16_epi8(_mm512_srli_epi16(x0, 8));
-                    h1 = _mm512_cvtepi16_epi8(_mm512_srli_epi16(x1, 8));
-                    /* 128-bit blocks (l0a, l0b, l1a, l1b) -> natural (l0a, l1a, l0b, l1b) */
-                    lo[r] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1),
-                                                 _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1), 0xD8);
-                    hi[r] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1),
-                                                 _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), 0xD8);
-                } else { /* the odd last group, natural; its partner's weights are zeros */
-                    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (long)g * QK)), flip);
-                    lo[r] = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(x0));
-                    hi[r] = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(x0, 8)));
-                    lo[r] = _mm512_inserti64x4(lo[r], _mm256_setzero_si256(), 1);
-                    hi[r] = _mm512_inserti64x4(hi[r], _mm256_setzero_si256(), 1);
+                    __m512i x0 = _mm512_loadu_si512((const void *)(q + (long)g * QK));
+                    __m512i x1 = _mm512_loadu_si512((const void *)(q + (long)g * QK + 32));
+                    __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(x0)),
+                                                   _mm512_cvtepi16_epi8(x1), 1);
+                    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x0, 8))),
+                                                   _mm512_cvtepi16_epi8(_mm512_srai_epi16(x1, 8)), 1);
+                    /* 128-bit blocks (b lo, b+1 lo, b hi, b+1 hi) -> natural (b lo, b hi, b+1 lo, b+1 hi) */
+                    lo[r] = _mm512_shuffle_i64x2(l, l, 0xD8);
+                    hi[r] = _mm512_shuffle_i64x2(h, h, 0xD8);
+                } else { /* the odd last group, natural; its partner is zeros */
+                    __m512i x0 = _mm512_loadu_si512((const void *)(q + (long)g * QK));
+                    lo[r] = _mm512_zextsi256_si512(_mm512_cvtepi16_epi8(x0));
+                    hi[r] = _mm512_zextsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x0, 8)));
                 }
             }
             coli_q16v_transpose(lo, T);
             coli_q16v_transpose(hi, T);
-            COLI_UNROLL
+            __m512i c = _mm512_setzero_si512();
             for (int t = 0; t < T; t++) {
                 _mm512_store_si512((void *)(o + 64 * t), lo[t]);
                 _mm512_store_si512((void *)(o + 64 * (T + t)), hi[t]);
+                c = _mm512_dpbusd_epi32(c, one, hi[t]);
             }
+            _mm512_store_si512((void *)(o + 64 * 2 * T), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 7)));
             int n = nb - b < G ? nb - b : G;
             __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), qd + b);
-            _mm512_store_ps((void *)(o + 64 * 2 * T), _mm512_permutexvar_ps(coli_q16v_lanes(T), s));
-            o += 64 * (2 * T + 1);
+            _mm512_store_ps((void *)(o + 64 * (2 * T + 1)), _mm512_permutexvar_ps(coli_q16v_lanes(T), s));
+            o += 64 * (2 * T + 2);
             b += G;
         }
     }
 }
 
-/* One chunk (T steps, n real groups from b) of one weight row for MR tokens. */
-static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int T, const uint8_t *xe, long lde,
-                                                                 const int8_t *w, const uint16_t *wd, int n,
-                                                                 __m512 *acc) {
-    __m512i W[8], h = _mm512_setzero_si512();
-    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+/* One chunk (T steps, n real groups) of NR weight rows (ldw, ldd apart) for MR tokens:
+ * acc[j * MR + i] for row j, token i. Per row: the weights transposed (W, signed) and
+ * W + 128 (V, unsigned); per token: L = lo . W, H = hi . V - 128 sum hi = hi . W. */
+static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR, int T, const uint8_t *xe, long lde,
+                                                                 const int8_t *w, long ldw, const uint16_t *wd,
+                                                                 long ldd, int n, __m512 *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     COLI_UNROLL
-    for (int r = 0; r < T; r++)
-        W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + 64 * r))
-                             : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + 64 * r);
-    coli_q16v_transpose(W, T);
-    __m512i hs[4];
-    COLI_UNROLL
-    for (int c = 0; c < 4; c++) hs[c] = _mm512_setzero_si512();
-    COLI_UNROLL
-    for (int t = 0; t < T; t++) hs[t % 4] = _mm512_dpbusd_epi32(hs[t % 4], c128, W[t]);
-    h = _mm512_sub_epi32(_mm512_sub_epi32(h, _mm512_add_epi32(hs[0], hs[1])), _mm512_add_epi32(hs[2], hs[3]));
-    /* h: -128 sum w per lane */
-    __m512 ws = _mm512_permutexvar_ps(coli_q16v_lanes(T),
-                                      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), wd)));
-    const int CH = MR == 1 ? 4 : MR <= 3 ? 2 : 1; /* int32 chains per token */
-    COLI_UNROLL
-    for (int i = 0; i < MR; i++) {
-        const uint8_t *o = xe + i * lde;
-        __m512i L[4], H[4];
+    for (int j = 0; j < NR; j++) {
+        __m512i W[8], V[8];
         COLI_UNROLL
-        for (int c = 0; c < CH; c++) { L[c] = _mm512_setzero_si512(); H[c] = _mm512_setzero_si512(); }
-        H[0] = h;
+        for (int r = 0; r < T; r++)
+            W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + j * ldw + 64 * r))
+                                 : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + j * ldw + 64 * r);
+        coli_q16v_transpose(W, T);
         COLI_UNROLL
-        for (int t = 0; t < T; t++) {
-            L[t % CH] = _mm512_dpbusd_epi32(L[t % CH], _mm512_load_si512((const void *)(o + 64 * t)), W[t]);
-            H[t % CH] = _mm512_dpbusd_epi32(H[t % CH], _mm512_load_si512((const void *)(o + 64 * (T + t))), W[t]);
+        for (int t = 0; t < T; t++) V[t] = _mm512_xor_si512(W[t], flip);
+        __m512 ws = _mm512_permutexvar_ps(
+            coli_q16v_lanes(T), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), wd + j * ldd)));
+        COLI_UNROLL
+        for (int i = 0; i < MR; i++) {
+            const uint8_t *o = xe + i * lde;
+            __m512i L = _mm512_setzero_si512(), H = _mm512_load_si512((const void *)(o + 64 * 2 * T));
+            COLI_UNROLL
+            for (int t = 0; t < T; t++) {
+                L = _mm512_dpbusd_epi32(L, _mm512_load_si512((const void *)(o + 64 * t)), W[t]);
+                H = _mm512_dpbusd_epi32(H, V[t], _mm512_load_si512((const void *)(o + 64 * (T + t))));
+            }
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);
+            acc[j * MR + i] = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 64 * (2 * T + 1)))),
+                acc[j * MR + i]);
         }
-        __m512i l = L[0], hh = H[0];
-        COLI_UNROLL
-        for (int c = 1; c < CH && c < T; c++) { l = _mm512_add_epi32(l, L[c]); hh = _mm512_add_epi32(hh, H[c]); }
-        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hh, 8), l);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 64 * 2 * T))),
-                                 acc[i]);
     }
 }
 
-/* MR tokens (arranged activations xe, lde bytes apart) x one weight row of nb groups */
-#define COLI_Q16VTILE(MR)                                                                          \
-    static inline void coli_q16vtile_##MR(const uint8_t *xe, long lde, const int8_t *w, const uint16_t *wd, \
-                                         int nb, float *Y, long ldy) {                             \
-        __m512 acc[MR < 4 ? 4 : (MR + 3) / 4 * 4];                                                 \
-        for (int i = 0; i < (MR < 4 ? 4 : (MR + 3) / 4 * 4); i++) acc[i] = _mm512_setzero_ps();    \
+/* MR tokens (arranged activations xe, lde bytes apart) x NR weight rows of nb groups */
+#define COLI_Q16VTILE(MR, NR)                                                                      \
+    static inline void coli_q16vtile_##MR##x##NR(const uint8_t *xe, long lde, const int8_t *w, long ldw, \
+                                                const uint16_t *wd, long ldd, int nb, float *Y, long ldy) { \
+        enum { NA = (MR * NR + 3) / 4 * 4 };                                                       \
+        __m512 acc[NA];                                                                            \
+        COLI_UNROLL                                                                                \
+        for (int i = 0; i < NA; i++) acc[i] = _mm512_setzero_ps();                                 \
         const uint8_t *o = xe;                                                                     \
         for (int b = 0; b < nb;) {                                                                 \
             int G = coli_q16v_groups(nb - b), n = nb - b < G ? nb - b : G;                         \
+            const int8_t *wb = w + (long)b * QK;                                                   \
             switch (G) {                                                                           \
-            case 16: coli_q16v_chunk(MR, 8, o, lde, w + (long)b * QK, wd + b, n, acc); break;       \
-            case 8: coli_q16v_chunk(MR, 4, o, lde, w + (long)b * QK, wd + b, n, acc); break;        \
-            case 4: coli_q16v_chunk(MR, 2, o, lde, w + (long)b * QK, wd + b, n, acc); break;        \
-            default: coli_q16v_chunk(MR, 1, o, lde, w + (long)b * QK, wd + b, n, acc); break;       \
+            case 16: coli_q16v_chunk(MR, NR, 8, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
+            case 8: coli_q16v_chunk(MR, NR, 4, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
+            case 4: coli_q16v_chunk(MR, NR, 2, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
+            default: coli_q16v_chunk(MR, NR, 1, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
             }                                                                                      \
-            o += 64 * (G + 1);                                                                     \
+            o += 64 * (G + 2);                                                                     \
             b += G;                                                                                \
         }                                                                                          \
-        COLI_UNROLL                                                                                \
-        for (int i = 0; i < MR; i += 4) {                                                          \
+        for (int k = 0; k < NA; k += 4) { /* each output's sum does not depend on its slot */      \
             float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_hsum4_512(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));       \
-            for (int j = 0; j < 4 && i + j < MR; j++) Y[(i + j) * ldy] = sums[j];                  \
+            _mm_storeu_ps(sums, coli_hsum4_512(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]));       \
+            for (int u = 0; u < 4 && k + u < MR * NR; u++)                                         \
+                Y[((k + u) % MR) * ldy + (k + u) / MR] = sums[u];                                  \
         }                                                                                          \
     }
 
-COLI_Q16VTILE(1) COLI_Q16VTILE(2) COLI_Q16VTILE(3) COLI_Q16VTILE(4)
-COLI_Q16VTILE(5) COLI_Q16VTILE(6) COLI_Q16VTILE(7) COLI_Q16VTILE(8)
+COLI_Q16VTILE(1, 4) COLI_Q16VTILE(2, 2) COLI_Q16VTILE(1, 1) COLI_Q16VTILE(2, 1)
+COLI_Q16VTILE(3, 1) COLI_Q16VTILE(4, 1) COLI_Q16VTILE(5, 1) COLI_Q16VTILE(6, 1)
+COLI_Q16VTILE(7, 1) COLI_Q16VTILE(8, 1)
 
-static inline void coli_q16vtile(int mr, const uint8_t *xe, long lde, const int8_t *w, const uint16_t *wd, int nb,
-                                 float *Y, long ldy) {
+/* rows per tile for mr tokens */
+static inline int coli_q16v_rows(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+
+static inline void coli_q16vtile(int mr, int nr, const uint8_t *xe, long lde, const int8_t *w, long ldw,
+                                 const uint16_t *wd, long ldd, int nb, float *Y, long ldy) {
+    if (nr == 4) { coli_q16vtile_1x4(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
+    if (nr == 2) { coli_q16vtile_2x2(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
     switch (mr) {
-    case 1: coli_q16vtile_1(xe, lde, w, wd, nb, Y, ldy); break; /* same bits as in a batch */
-    case 2: coli_q16vtile_2(xe, lde, w, wd, nb, Y, ldy); break;
-    case 3: coli_q16vtile_3(xe, lde, w, wd, nb, Y, ldy); break;
-    case 4: coli_q16vtile_4(xe, lde, w, wd, nb, Y, ldy); break;
-    case 5: coli_q16vtile_5(xe, lde, w, wd, nb, Y, ldy); break;
-    case 6: coli_q16vtile_6(xe, lde, w, wd, nb, Y, ldy); break;
-    case 7: coli_q16vtile_7(xe, lde, w, wd, nb, Y, ldy); break;
-    default: coli_q16vtile_8(xe, lde, w, wd, nb, Y, ldy); break;
+    case 1: coli_q16vtile_1x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break; /* same bits as in a batch */
+    case 2: coli_q16vtile_2x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 3: coli_q16vtile_3x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 4: coli_q16vtile_4x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 5: coli_q16vtile_5x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 6: coli_q16vtile_6x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 7: coli_q16vtile_7x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    default: coli_q16vtile_8x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
     }
 }
 
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
- * arranged (a->xe); one row x up to 8 tokens per tile, the row's transpose paid once for
- * them. K: logical columns. */
+ * arranged (a->xe); up to 8 tokens x 1 row per tile (4 rows for one token, 2 for two), the
+ * rows' transposes paid once for the tile's tokens. K: logical columns. */
 static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                  long ldy) {
     int ngroups = (K + QK - 1) / QK;
     const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
     const uint16_t *wd = W->d + (long)n0 * W->ldd;
-    for (int n = 0; n < nb; n++)
+    for (int n = 0; n < nb; n += 4) {
+        int n4 = nb - n < 4 ? nb - n : 4;
         for (int m = 0; m < M; m += COLI_Q16V_MR) {
-            int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR;
-            coli_q16vtile(mr, a->xe + (long)m * a->lde, a->lde, wq + (long)n * W->ldw, wd + (long)n * W->ldd, ngroups,
-                          Y + (long)m * ldy + n0 + n, ldy);
+            int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR, step = coli_q16v_rows(mr);
+            for (int r = 0; r < n4; r += step) {
+                int nr = n4 - r < step ? 1 : step;
+                if (nr == 1) step = 1;
+                coli_q16vtile(mr, nr, a->xe + (long)m * a->lde, a->lde, wq + (long)(n + r) * W->ldw, W->ldw,
+                              wd + (long)(n + r) * W->ldd, W->ldd, ngroups, Y + (long)m * ldy + n0 + n + r, ldy);
+            }
         }
+    }
 }
 #else /* AVX-512 without VNNI: the plain tiles */
 /* MR tokens x NR rows, two groups (64 weights of a row) per step: lanes 0-7 of the int32
