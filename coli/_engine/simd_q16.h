@@ -20,7 +20,9 @@
  * scaled by (weight scale * activation scale) in float. Twice the multiplies of int8
  * activations: decode, bound by memory, barely notices. The AVX2 tiles below instead
  * interleave 4 rows so that each int32 lane sums a whole group (exact in int32) and one
- * float conversion, scale and fma per token serve 4 rows x 2 groups.
+ * float conversion, scale and fma per token serve 4 rows x 2 groups; the AVX-512 VNNI
+ * tiles transpose a row's chunk of up to 16 groups so that one serves 16 groups (vpdpbusd
+ * on the activations' two bytes; the plain 512-bit tiles remain for AVX-512 without VNNI).
  */
 #ifndef COLI_SIMD_Q16_H
 #define COLI_SIMD_Q16_H
@@ -290,6 +292,9 @@ static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR
         for (int r = 0; r < T; r++)
             W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + j * ldw + 64 * r))
                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + j * ldw + 64 * r);
+        COLI_UNROLL
+        for (int r = 0; r < T; r++) /* 4 rows ahead: the next tiles' rows arrive while these compute */
+            _mm_prefetch((const char *)(w + (4 + j) * ldw + 64 * r), _MM_HINT_T0);
         coli_q16v_transpose(W, T);
         COLI_UNROLL
         for (int t = 0; t < T; t++) V[t] = _mm512_xor_si512(W[t], flip);
