@@ -45,7 +45,7 @@ def _qlinear(x, m):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("M", [2, 3, 4, 5, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize("N,K_", [(4, 128), (13, 160), (6, 192), (9, 224), (8, 576), (7, 1055), (5, 32), (11, 96),
-                                  (3, 64)])
+                                  (3, 64), (10, 480), (6, 288)])
 def test_multi_token_qlinear_matches_twin(fmt, M, N, K_):
     x, w = rand(M, K_), rand(N, K_, scale=0.2)
     m = quantize(w, fmt)
@@ -58,22 +58,26 @@ def test_each_token_of_a_batch_gets_its_own_result(fmt):
     verification) has exactly the bits of that token's one-token call, wherever it sits in
     the call's tiles (greedy speculative decoding is identical to plain decoding only so),
     and a token is not disturbed by the others (one huge row among small ones)."""
-    x, w = rand(17, 608), rand(21, 608, scale=0.2)
-    x[3] *= 1e3
-    m = quantize(w, fmt)
-    ones = np.stack([_qlinear(x[i:i + 1].copy(), m)[0] for i in range(17)])
-    for M in (2, 5, 8, 9, 17):
-        np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens")
+    for K_ in (608, 480):  # int8 on AVX-512 VNNI: chunks of 16 + 2 + 1 and 8 + 4 + 2 + 1 groups
+        x, w = rand(17, K_), rand(21, K_, scale=0.2)
+        x[3] *= 1e3
+        m = quantize(w, fmt)
+        ones = np.stack([_qlinear(x[i:i + 1].copy(), m)[0] for i in range(17)])
+        for M in (2, 5, 8, 9, 17):
+            np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens, K {K_}")
 
 
 def test_int8_rows_get_the_same_bits_in_any_row_tile():
     """int8 tiles take 4 rows at a time (AVX2: interleaved in registers, the rows past the
-    last 4 in a tile that repeats the last one): a row's result has the same bits whichever
-    tile and slot computes it, so dropping the first r rows shifts the rows' results."""
-    x, w = rand(9, 416), rand(14, 416, scale=0.2)
-    full = _qlinear(x, quantize(w, "int8"))
-    for r in (1, 2, 3, 5):
-        np.testing.assert_array_equal(_qlinear(x, quantize(w[r:].copy(), "int8")), full[:, r:], err_msg=f"from row {r}")
+    last 4 in a tile that repeats the last one; AVX-512 VNNI: 4 rows for one token, 2 for
+    two, else 1): a row's result has the same bits whichever tile and slot computes it, so
+    dropping the first r rows shifts the rows' results."""
+    for M in (1, 2, 9):
+        x, w = rand(M, 416), rand(14, 416, scale=0.2)
+        full = _qlinear(x, quantize(w, "int8"))
+        for r in (1, 2, 3, 5):
+            np.testing.assert_array_equal(_qlinear(x, quantize(w[r:].copy(), "int8")), full[:, r:],
+                                          err_msg=f"{M} tokens, from row {r}")
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -131,7 +131,7 @@ def test_int16_activations_match_the_twin(M, K_):
     assert np.all(np.abs(back - x) <= np.repeat(d, 32, axis=1)[:, :K_] * 0.5 + 1e-6 * np.abs(x))
 
 
-@pytest.mark.parametrize("K_", [32, 64, 96, 100, 608, 1000])
+@pytest.mark.parametrize("K_", [32, 64, 96, 100, 480, 608, 1000])
 def test_int8_tiles_match_the_twin(K_):
     """Every tile shape (1-4 tokens x 1-4 rows, and the 4 x 4 loop around them), pairs of
     groups and an odd last group, against the float64 twin on the same int16 activations."""

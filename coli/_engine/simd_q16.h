@@ -20,7 +20,9 @@
  * scaled by (weight scale * activation scale) in float. Twice the multiplies of int8
  * activations: decode, bound by memory, barely notices. The AVX2 tiles below instead
  * interleave 4 rows so that each int32 lane sums a whole group (exact in int32) and one
- * float conversion, scale and fma per token serve 4 rows x 2 groups.
+ * float conversion, scale and fma per token serve 4 rows x 2 groups; the AVX-512 VNNI
+ * tiles transpose a row's chunk of up to 16 groups so that one serves 16 groups (vpdpbusd
+ * on the activations' two bytes; the plain 512-bit tiles remain for AVX-512 without VNNI).
  */
 #ifndef COLI_SIMD_Q16_H
 #define COLI_SIMD_Q16_H
@@ -139,6 +141,256 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
     return (float)_mm512_reduce_add_epi32(d) * scale;
 }
 
+#if defined(__AVX512VNNI__)
+/* ---- AVX-512 VNNI: a whole (row, group) sum per int32 lane --------------------------------
+ * The plain tiles below spend a float conversion, a scale multiply and an fma per token, row
+ * and 2 groups, more than their 2 multiply-adds. Here the weights of a chunk of G groups
+ * (G = 16 while 16 are left, then 8, 4, 2; a last odd group is a pair with a zero group) are
+ * transposed once per row in registers so that the T = G / 2 multiply-adds of a token leave
+ * in each int32 lane an exact sum over 32 / (16 / G) values of one group (16 lanes = G
+ * groups x 16 / G parts), and one convert, one scale multiply and one fma per token serve
+ * the whole chunk.
+ *
+ * The multiply-add is vpdpbusd (unsigned x signed bytes, 4 per lane): an int16 activation
+ * x is split into the bytes of x + 32768 = 256 hi + lo (both unsigned), so
+ * w . x = 256 (w . hi - 128 sum w) + w . lo, with 128 sum w taken per row by the same
+ * instruction on bytes of 128 (all sums exact in int32: |w . hi| < 2^20, the total
+ * < 32 * 127 * 32767 < 2^27). The weights stay bytes: no widening.
+ *
+ * Transpose: a chunk's T natural registers (register r = groups 2r, 2r + 1 of 8 dword
+ * quads each: lane m = (g & 1) << 3 | quad) go through log2 T stages; stage k swaps register
+ * bit k with lane bit k (two vpermt2d per register pair). Afterwards step t (register t)
+ * holds in lane m quad t | (m & (7 & ~(T - 1))) of group (m >> 3) | ((m & (T - 1)) << 1).
+ * Each token's activations are arranged once per call (coli_q16_arrange) by the same
+ * transpose: per chunk T registers of lo bytes, T of hi bytes, then its 16 group scales in
+ * lane order.
+ *
+ * The same bits alone or in any batch: a token's operations do not depend on the tile or
+ * its slot (integer sums are exact in any order, so the number of chains may vary; the
+ * float sums run chunk by chunk per lane, then over the 16 lanes). */
+#define COLI_Q16V 1
+#define COLI_Q16V_MR 8   /* tokens per tile */
+#define COLI_UNROLL _Pragma("GCC unroll 16")
+
+/* groups in the chunk that starts with left groups to go (>= 1) */
+static inline int coli_q16v_groups(int left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
+
+/* Bytes of coli_q16_arrange's output per token: per chunk of T steps, 2T + 2 vectors. */
+static inline long coli_q16_xe_ld(int M, int K) {
+    (void)M;
+    int nb = (K + QK - 1) / QK;
+    long v = 0;
+    for (int b = 0; b < nb;) {
+        int G = coli_q16v_groups(nb - b);
+        v += G + 2;
+        b += G;
+    }
+    return v * 64;
+}
+
+static const int32_t coli_q16v_perm[3][2][16] = {
+    {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+     {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+     {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+    {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+     {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+};
+
+/* lane m -> its group in a chunk of T steps (the scales' order) */
+static const int32_t coli_q16v_lanegroup[4][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},          /* T = 1 */
+    {0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3},          /* T = 2 */
+    {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7},          /* T = 4 */
+    {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15},    /* T = 8 */
+};
+
+static inline __m512i coli_q16v_lanes(int T) {
+    return _mm512_loadu_si512((const void *)coli_q16v_lanegroup[T == 1 ? 0 : T == 2 ? 1 : T == 4 ? 2 : 3]);
+}
+
+/* stage k of the transpose below: register bit k <-> lane bit k */
+static inline __attribute__((always_inline)) void coli_q16v_stage(__m512i *R, int T, int k) {
+    __m512i ia = _mm512_loadu_si512((const void *)coli_q16v_perm[k][0]);
+    __m512i ib = _mm512_loadu_si512((const void *)coli_q16v_perm[k][1]);
+    COLI_UNROLL
+    for (int p = 0; p < T / 2; p++) {
+        int i = ((p >> k) << (k + 1)) | (p & ((1 << k) - 1)), j = i | (1 << k);
+        __m512i a = R[i], b = R[j];
+        R[i] = _mm512_permutex2var_epi32(a, ia, b);
+        R[j] = _mm512_permutex2var_epi32(a, ib, b);
+    }
+}
+
+/* the transpose above, in place on R[0 .. T-1] */
+static inline __attribute__((always_inline)) void coli_q16v_transpose(__m512i *R, int T) {
+    if (T >= 2) coli_q16v_stage(R, T, 0);
+    if (T >= 4) coli_q16v_stage(R, T, 1);
+    if (T >= 8) coli_q16v_stage(R, T, 2);
+}
+
+/* xe (M rows of lde bytes, 64-byte aligned) = the int16 activations of a arranged for the
+ * tiles below: per chunk T vectors of lo bytes, T of hi bytes, the hi correction
+ * -128 sum hi per lane (int32), the scales in lane order. */
+static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
+    int nb = (K + QK - 1) / QK;
+    const __m512i one = _mm512_set1_epi8(1);
+    for (int i = 0; i < M; i++) {
+        const int16_t *q = a->q + i * a->ldq;
+        const float *qd = a->qd + i * a->ldb;
+        uint8_t *o = xe + i * lde;
+        for (int b = 0; b < nb;) {
+            int G = coli_q16v_groups(nb - b), T = G / 2;
+            __m512i lo[8], hi[8];
+            for (int r = 0; r < T; r++) {
+                int g = b + 2 * r;
+                if (g + 1 < nb) { /* a pair: b[0:16], b+1[0:16], b[16:32], b+1[16:32] */
+                    __m512i x0 = _mm512_loadu_si512((const void *)(q + (long)g * QK));
+                    __m512i x1 = _mm512_loadu_si512((const void *)(q + (long)g * QK + 32));
+                    __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(x0)),
+                                                   _mm512_cvtepi16_epi8(x1), 1);
+                    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x0, 8))),
+                                                   _mm512_cvtepi16_epi8(_mm512_srai_epi16(x1, 8)), 1);
+                    /* 128-bit blocks (b lo, b+1 lo, b hi, b+1 hi) -> natural (b lo, b hi, b+1 lo, b+1 hi) */
+                    lo[r] = _mm512_shuffle_i64x2(l, l, 0xD8);
+                    hi[r] = _mm512_shuffle_i64x2(h, h, 0xD8);
+                } else { /* the odd last group, natural; its partner is zeros */
+                    __m512i x0 = _mm512_loadu_si512((const void *)(q + (long)g * QK));
+                    lo[r] = _mm512_zextsi256_si512(_mm512_cvtepi16_epi8(x0));
+                    hi[r] = _mm512_zextsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x0, 8)));
+                }
+            }
+            coli_q16v_transpose(lo, T);
+            coli_q16v_transpose(hi, T);
+            __m512i c = _mm512_setzero_si512();
+            for (int t = 0; t < T; t++) {
+                _mm512_store_si512((void *)(o + 64 * t), lo[t]);
+                _mm512_store_si512((void *)(o + 64 * (T + t)), hi[t]);
+                c = _mm512_dpbusd_epi32(c, one, hi[t]);
+            }
+            _mm512_store_si512((void *)(o + 64 * 2 * T), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 7)));
+            int n = nb - b < G ? nb - b : G;
+            __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), qd + b);
+            _mm512_store_ps((void *)(o + 64 * (2 * T + 1)), _mm512_permutexvar_ps(coli_q16v_lanes(T), s));
+            o += 64 * (2 * T + 2);
+            b += G;
+        }
+    }
+}
+
+/* One chunk (T steps, n real groups) of NR weight rows (ldw, ldd apart) for MR tokens:
+ * acc[j * MR + i] for row j, token i. Per row: the weights transposed (W, signed) and
+ * W + 128 (V, unsigned); per token: L = lo . W, H = hi . V - 128 sum hi = hi . W. */
+static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR, int T, const uint8_t *xe, long lde,
+                                                                 const int8_t *w, long ldw, const uint16_t *wd,
+                                                                 long ldd, int n, __m512 *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    COLI_UNROLL
+    for (int j = 0; j < NR; j++) {
+        __m512i W[8], V[8];
+        COLI_UNROLL
+        for (int r = 0; r < T; r++)
+            W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + j * ldw + 64 * r))
+                                 : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + j * ldw + 64 * r);
+        COLI_UNROLL
+        for (int r = 0; r < T; r++) /* 4 rows ahead: the next tiles' rows arrive while these compute */
+            _mm_prefetch((const char *)(w + (4 + j) * ldw + 64 * r), _MM_HINT_T0);
+        coli_q16v_transpose(W, T);
+        COLI_UNROLL
+        for (int t = 0; t < T; t++) V[t] = _mm512_xor_si512(W[t], flip);
+        __m512 ws = _mm512_permutexvar_ps(
+            coli_q16v_lanes(T), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), wd + j * ldd)));
+        COLI_UNROLL
+        for (int i = 0; i < MR; i++) {
+            const uint8_t *o = xe + i * lde;
+            __m512i L = _mm512_setzero_si512(), H = _mm512_load_si512((const void *)(o + 64 * 2 * T));
+            COLI_UNROLL
+            for (int t = 0; t < T; t++) {
+                L = _mm512_dpbusd_epi32(L, _mm512_load_si512((const void *)(o + 64 * t)), W[t]);
+                H = _mm512_dpbusd_epi32(H, V[t], _mm512_load_si512((const void *)(o + 64 * (T + t))));
+            }
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);
+            acc[j * MR + i] = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 64 * (2 * T + 1)))),
+                acc[j * MR + i]);
+        }
+    }
+}
+
+/* MR tokens (arranged activations xe, lde bytes apart) x NR weight rows of nb groups */
+#define COLI_Q16VTILE(MR, NR)                                                                      \
+    static inline void coli_q16vtile_##MR##x##NR(const uint8_t *xe, long lde, const int8_t *w, long ldw, \
+                                                const uint16_t *wd, long ldd, int nb, float *Y, long ldy) { \
+        enum { NA = (MR * NR + 3) / 4 * 4 };                                                       \
+        __m512 acc[NA];                                                                            \
+        COLI_UNROLL                                                                                \
+        for (int i = 0; i < NA; i++) acc[i] = _mm512_setzero_ps();                                 \
+        const uint8_t *o = xe;                                                                     \
+        for (int b = 0; b < nb;) {                                                                 \
+            int G = coli_q16v_groups(nb - b), n = nb - b < G ? nb - b : G;                         \
+            const int8_t *wb = w + (long)b * QK;                                                   \
+            switch (G) {                                                                           \
+            case 16: coli_q16v_chunk(MR, NR, 8, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
+            case 8: coli_q16v_chunk(MR, NR, 4, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
+            case 4: coli_q16v_chunk(MR, NR, 2, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
+            default: coli_q16v_chunk(MR, NR, 1, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
+            }                                                                                      \
+            o += 64 * (G + 2);                                                                     \
+            b += G;                                                                                \
+        }                                                                                          \
+        for (int k = 0; k < NA; k += 4) { /* each output's sum does not depend on its slot */      \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_hsum4_512(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]));       \
+            for (int u = 0; u < 4 && k + u < MR * NR; u++)                                         \
+                Y[((k + u) % MR) * ldy + (k + u) / MR] = sums[u];                                  \
+        }                                                                                          \
+    }
+
+COLI_Q16VTILE(1, 4) COLI_Q16VTILE(2, 2) COLI_Q16VTILE(1, 1) COLI_Q16VTILE(2, 1)
+COLI_Q16VTILE(3, 1) COLI_Q16VTILE(4, 1) COLI_Q16VTILE(5, 1) COLI_Q16VTILE(6, 1)
+COLI_Q16VTILE(7, 1) COLI_Q16VTILE(8, 1)
+
+/* rows per tile for mr tokens */
+static inline int coli_q16v_rows(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+
+static inline void coli_q16vtile(int mr, int nr, const uint8_t *xe, long lde, const int8_t *w, long ldw,
+                                 const uint16_t *wd, long ldd, int nb, float *Y, long ldy) {
+    if (nr == 4) { coli_q16vtile_1x4(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
+    if (nr == 2) { coli_q16vtile_2x2(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
+    switch (mr) {
+    case 1: coli_q16vtile_1x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break; /* same bits as in a batch */
+    case 2: coli_q16vtile_2x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 3: coli_q16vtile_3x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 4: coli_q16vtile_4x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 5: coli_q16vtile_5x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 6: coli_q16vtile_6x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 7: coli_q16vtile_7x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    default: coli_q16vtile_8x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    }
+}
+
+/* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
+ * arranged (a->xe); up to 8 tokens x 1 row per tile (4 rows for one token, 2 for two), the
+ * rows' transposes paid once for the tile's tokens. K: logical columns. */
+static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
+    const uint16_t *wd = W->d + (long)n0 * W->ldd;
+    for (int n = 0; n < nb; n += 4) {
+        int n4 = nb - n < 4 ? nb - n : 4;
+        for (int m = 0; m < M; m += COLI_Q16V_MR) {
+            int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR, step = coli_q16v_rows(mr);
+            for (int r = 0; r < n4; r += step) {
+                int nr = n4 - r < step ? 1 : step;
+                if (nr == 1) step = 1;
+                coli_q16vtile(mr, nr, a->xe + (long)m * a->lde, a->lde, wq + (long)(n + r) * W->ldw, W->ldw,
+                              wd + (long)(n + r) * W->ldd, W->ldd, ngroups, Y + (long)m * ldy + n0 + n + r, ldy);
+            }
+        }
+    }
+}
+#else /* AVX-512 without VNNI: the plain tiles */
 /* MR tokens x NR rows, two groups (64 weights of a row) per step: lanes 0-7 of the int32
  * sums belong to group b, 8-15 to b + 1, scaled by the scales of 16 groups loaded once
  * per chunk and permuted into place (with one token its scale is folded into the weights'
@@ -199,6 +451,7 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
             }                                                                                      \
         }                                                                                          \
     }
+#endif /* __AVX512VNNI__ */
 #elif defined(__AVX2__)
 #define COLI_Q16X 1      /* the interleaved tiles below */
 #define COLI_Q16X_G 2    /* groups per step: one per 128-bit lane */
@@ -429,7 +682,7 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
 
 #endif
 
-#if !defined(COLI_Q16X)
+#if !defined(COLI_Q16X) && !defined(COLI_Q16V)
 /* The plain tiles (AVX-512, scalar): no arranged activations. */
 static inline long coli_q16_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
 static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde) {
