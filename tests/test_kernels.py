@@ -469,6 +469,27 @@ def test_qlinear_many_equals_one_call_per_matrix(fmt, M, K_):
         np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4s"])
+@pytest.mark.parametrize("M,K_,N", [(1, 64, 40), (3, 100, 23), (1, 576, 1536), (64, 96, 50)])
+@pytest.mark.parametrize("act", [0, 1])
+def test_qlinear_many_gated_equals_gate_up_then_gated_act(fmt, M, K_, N, act):
+    """gate, up and act(gate) * up in one call (work items pairing a block of gate rows with
+    the same block of up rows): the same bits as qlinear_many followed by gated_act, biases or
+    not, for row counts that end in a partial block."""
+    x = rand(M, K_)
+    mats = tuple(quantize(rand(N, K_, scale=0.2), fmt) for _ in range(2))
+    biases = (rand(N), None)
+    want = tuple(np.empty((M, N), np.float32) for _ in range(2))
+    K.qlinear_many(x, mats, want, biases, *_scratch(M, K_))
+    K.gated_act(want[0], want[1], want[0], act)
+    got = tuple(np.full((M, N), np.nan, np.float32) for _ in range(2))
+    K.qlinear_many(x, mats, got, biases, *_scratch(M, K_), act)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="act needs two"):
+        K.qlinear_many(x, mats[:1], got[:1], biases[:1], *_scratch(M, K_), act)
+
+
 def test_qlinear_many_rejects_mixed_formats_and_shapes():
     x = rand(2, 64)
     a, b = quantize(rand(8, 64), "int8"), quantize(rand(8, 64), "int4")

@@ -213,12 +213,19 @@ cdef enum:
     MAX_MANY = 8
 
 
-def qlinear_many(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs):
+def qlinear_many(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, int act=-1):
     """outs[i][M, N_i] = x @ mats[i].T (+ biases[i]) for up to 8 matrices that read the same
     input (q, k and v; gate and up): x is quantized (or packed into token panels) once, and
     the row blocks of all the matrices are spread over the threads in one parallel region.
-    All matrices must share one format. Same results as one qlinear per matrix."""
-    _qlinear_group(x, mats, outs, biases, xq, xqd, xqs)
+    All matrices must share one format. Same results as one qlinear per matrix.
+
+    With ``act`` (0 silu, 1 gelu_tanh) there must be two matrices of as many rows, gate and
+    up: a work item is then one block of rows of both, and outs[0] ends up act(gate) * up
+    (outs[1] holds up): the same bits as this call without act followed by gated_act, one
+    kernel call and no separate pass over the rows."""
+    if act >= 0 and (len(mats) != 2 or len(outs) != 2 or (<QMatrix?>mats[0]).rows != (<QMatrix?>mats[1]).rows):
+        raise ValueError("qlinear_many: act needs two matrices (gate, up) with as many rows")
+    _qlinear_group(x, mats, outs, biases, xq, xqd, xqs, act)
 
 
 cdef struct qgroup:
@@ -231,16 +238,33 @@ cdef struct qgroup:
     const float *Bs[MAX_MANY]
     int Ns[MAX_MANY]
     int first[MAX_MANY + 1]
+    int act                # >= 0: gate and up blocks in pairs, then the gated activation
     const float *panels
 
 
 cdef inline void _qlinear_block(const qgroup *g, int b) noexcept nogil:
-    """Row block b of a _qlinear_group call."""
-    cdef int i = 0, m, c, n0, nb
+    """Row block b of a _qlinear_group call (with g.act, block b of gate and of up, then
+    act(gate) * up over those rows)."""
+    cdef int i = 0, m, n0, nb
+    if g.act >= 0:
+        n0 = b * g.rb
+        nb = g.Ns[0] - n0 if g.Ns[0] - n0 < g.rb else g.rb
+        _qlinear_rows(g, 0, n0, nb)
+        _qlinear_rows(g, 1, n0, nb)
+        for m in range(g.M):
+            coli_gated_act_row(g.Ys[0] + <long>m * g.Ns[0] + n0, g.Ys[1] + <long>m * g.Ns[0] + n0,
+                               g.Ys[0] + <long>m * g.Ns[0] + n0, nb, g.act)
+        return
     while g.first[i + 1] <= b:
         i = i + 1
     n0 = (b - g.first[i]) * g.rb
     nb = g.Ns[i] - n0 if g.Ns[i] - n0 < g.rb else g.rb
+    _qlinear_rows(g, i, n0, nb)
+
+
+cdef inline void _qlinear_rows(const qgroup *g, int i, int n0, int nb) noexcept nogil:
+    """Rows [n0, n0 + nb) of matrix i of a _qlinear_group call, bias included."""
+    cdef int m, c
     if g.panels != NULL:
         coli_gemm_tokens_any(g.panels, g.M, &g.ms[i], n0, nb, g.K, g.Ys[i], g.Ns[i])
     elif g.ms[i].fmt == COLI_Q8:
@@ -253,7 +277,7 @@ cdef inline void _qlinear_block(const qgroup *g, int b) noexcept nogil:
                 g.Ys[i][m * g.Ns[i] + n0 + c] += g.Bs[i][n0 + c]
 
 
-cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) except -1:
+cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, int act=-1) except -1:
     """The body of qlinear (one matrix) and qlinear_many."""
     cdef qgroup g
     cdef const float *xp = <const float *>_arr(x, cnp.NPY_FLOAT32, 2, False, "qlinear: x")
@@ -294,6 +318,9 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
         g.first[i] = total
         total += (g.Ns[i] + g.rb - 1) // g.rb
     g.first[n] = total
+    g.act = act
+    if act >= 0:  # one work item per block of gate and up rows
+        total = g.first[1]
     g.a = _activations(xp, K, NULL, NULL, NULL, 0, 0)
     cdef int16_t *q16 = NULL
     g.a16 = _act16(NULL, NULL, QK)
@@ -302,7 +329,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs) e
         g.a16 = _act16_arranged(q16, qdp, M, K)
     elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
-    cdef int nt = _team(<long>M * K * total * g.rb // 4)
+    cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
     if lde and M * lde > XE_MAX_BYTES:
         lde = 0

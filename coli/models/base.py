@@ -215,8 +215,12 @@ class GatedMLP:
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         g, u = gu = rs.views(self, len(x), self.bufs)
-        self.gate_up(x, gu, rs)
-        K.gated_act(g, u, g, self.act)
+        gu_ = self.gate_up
+        if gu_.fused:  # gate, up and act(g) * u in one kernel call
+            K.qlinear_many(x, gu_.mats, gu, gu_.biases, *rs.views(gu_, len(x), gu_.scratch), self.act)
+        else:
+            gu_(x, gu, rs)
+            K.gated_act(g, u, g, self.act)
         self.down(g, out, rs)
 
 

@@ -1,0 +1,68 @@
+"""One-token decode attention, cold against cache-hot: what a call costs when its cache rows
+come from L3 / DRAM (as in a decode step, whose weights went through the caches since the
+layer last read them) and when they sit in L1 / L2.
+
+    python benchmarks/bench_attention_decode.py --threads 1 --pos 136
+
+Shape: SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64, 30 layers). Cold: the 30 layers'
+caches attended in turn, ``--evict`` MB walked between passes; hot: one cache, again and
+again. Wall clock per call (median and minimum); compare two trees with ``PYTHONPATH=<tree>``
+one after the other, and keep the load (``uptime``) next to the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from coli._engine import kernels as K
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pos", type=int, default=136, help="the query's position (keys 0..pos)")
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--evict", type=int, default=64, help="MB read between cold passes")
+    ap.add_argument("--passes", type=int, default=40)
+    a = ap.parse_args()
+    K.set_num_threads(a.threads)
+    nh, nkv, hd, L = a.heads, a.kv_heads, a.head_dim, a.layers
+    rng = np.random.default_rng(0)
+    cap = a.pos + 1
+    caches = [(rng.standard_normal((cap, nkv * hd)).astype(np.float32),
+               rng.standard_normal((cap, nkv * hd)).astype(np.float32)) for _ in range(L)]  # (cap, nkv*hd) each
+    ptrs = [(np.array([k.ctypes.data], np.int64), np.array([v.ctypes.data], np.int64)) for k, v in caches]
+    q = rng.standard_normal((1, nh * hd)).astype(np.float32)  # (1, nh*hd)
+    out = np.zeros((1, nh * hd), np.float32)
+    pos = np.array([a.pos], np.int32)
+    evict = np.ones(a.evict << 20, np.int8)
+
+    def call(kp, vp):
+        K.attention(q, kp, vp, pos, out, nh, nkv, hd, hd, hd ** -0.5)
+
+    cold = []
+    for _ in range(a.passes):
+        evict.sum()
+        t0 = time.perf_counter()
+        for kp, vp in ptrs:
+            call(kp, vp)
+        cold.append((time.perf_counter() - t0) / L * 1e6)
+    hot = []
+    for _ in range(a.passes * L):
+        t0 = time.perf_counter()
+        call(*ptrs[0])
+        hot.append((time.perf_counter() - t0) * 1e6)
+    cold.sort(), hot.sort()
+    print(f"{K.simd_name()} · {a.threads} threads · position {a.pos} · load {os.getloadavg()[0]:.1f}")
+    print(f"cold: median {cold[len(cold) // 2]:.2f} us/call, min {cold[0]:.2f}")
+    print(f"hot:  median {hot[len(hot) // 2]:.2f} us/call, min {hot[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
