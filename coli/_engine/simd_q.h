@@ -632,6 +632,11 @@ COLI_QTILES(coli_q4atile, 2)
  * verification (up to 17 tokens a sequence); prefill chunks take the GEMM. */
 #define COLI_Q4GEMM8_MIN 64
 #endif
+#ifndef COLI_Q4GEMM8_FEW
+/* a MoE expert's tokens in a call of COLI_Q4GEMM8_MIN or more (prefill): from this many on the
+ * GEMM (one block of 8 token lanes) beats the one-token tile once per token */
+#define COLI_Q4GEMM8_FEW 6
+#endif
 
 /* The activations of 8 tokens (q rows t0 .. t0 + 7; rows past nt are zeros) for groups
  * c0 .. c0 + cn, interleaved by 4-byte pieces: xb[(g * 8 + k) * 32 + 4 * t ..] holds token
@@ -923,9 +928,13 @@ static inline void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W
 }
 
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb: f32, bf16, Q4 or Q4A weights (Q8 takes
- * int16 activations: coli_gemm_q16, simd_q16.h). K: logical columns. */
-static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K,
-                                 float *Y, long ldy) {
+ * int16 activations: coli_gemm_q16, simd_q16.h). K: logical columns. The M tokens are part of
+ * a call of Mcall (a MoE expert's tokens of the call's): on AVX2, Q4 / Q4A take the token-lane
+ * GEMM from COLI_Q4GEMM8_MIN tokens, or from COLI_Q4GEMM8_FEW when the call has at least
+ * COLI_Q4GEMM8_MIN, so a token's bits still depend only on the size of its call. */
+static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const coli_mat *W, int n0, int nb, int K,
+                                    float *Y, long ldy) {
+    (void)Mcall;
     if (W->fmt == COLI_F32) {
         coli_gemm_nt(a->x, a->ldx, M, (const float *)W->w + n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
     } else if (W->fmt == COLI_BF16) {
@@ -935,7 +944,8 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
         const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
 #if defined(COLI_Q4GEMM8_OK)
-        if (M >= COLI_Q4GEMM8_MIN && (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
+        if ((M >= COLI_Q4GEMM8_MIN || (Mcall >= COLI_Q4GEMM8_MIN && M >= COLI_Q4GEMM8_FEW)) &&
+            (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
             coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy);
             return;
         }
@@ -977,6 +987,11 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
             }
         }
     }
+}
+
+static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    coli_gemm_any_of(a, M, M, W, n0, nb, K, Y, ldy);
 }
 
 /* out[:K] = row r of W as float32. */
