@@ -401,7 +401,9 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
  * its even groups and its odd groups (the tiles' 128-bit lanes 0 and 1), each
  * fma(float(sum), weight scale x activation scale, acc) in group order, added at the end
  * (even + odd); a missing odd group (nb odd) adds the +0 the tiles' zero step adds. */
-#define COLI_Q16R_MIN 8   /* tokens from which coli_gemm_q16 takes the row-lane tiles */
+#ifndef COLI_Q16R_MIN
+#define COLI_Q16R_MIN 6   /* tokens from which coli_gemm_q16 takes the row-lane tiles (from 4-5 on as fast) */
+#endif
 #define COLI_Q16R_MR 4    /* tokens per tile: 8 float + 4 int32 accumulators */
 #define COLI_Q16R_KC 32   /* groups per widened weight block (8 rows: 16 KB) */
 #define COLI_Q16R_TB 64   /* tokens whose partial sums one weight block serves */
