@@ -80,6 +80,20 @@ def test_int8_rows_get_the_same_bits_in_any_row_tile():
                                           err_msg=f"{M} tokens, from row {r}")
 
 
+def test_int8_prefill_tiles_give_each_token_its_own_bits():
+    """From 6 tokens on, AVX2 takes the row-lane int8 tiles (8 rows per vector, blocks of 32
+    groups and 64 tokens): a token still gets the bits of its one-token call, across a second
+    K block with an odd last group (K 1055: 33 groups), a second token block (70 tokens) and
+    rows past the last 8 (N 21)."""
+    x, w = rand(70, 1055), rand(21, 1055, scale=0.2)
+    x[40] *= 1e3
+    m = quantize(w, "int8")
+    ones = np.stack([_qlinear(x[i:i + 1].copy(), m)[0] for i in range(70)])
+    for M in (6, 8, 11, 64, 70):
+        np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens")
+    np.testing.assert_allclose(ones, reference_qlinear(x, m), atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_extreme_codes_do_not_overflow(fmt):
     """Every weight at the end of its grid and every activation at +-127: the integer sums of
@@ -115,6 +129,37 @@ def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
         K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
                       K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
         np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_moe_prefill_experts_with_few_tokens_each(fmt):
+    """A prefill-sized call (64 tokens, so AVX2's int4 experts take the token-lane GEMM from 6
+    tokens on and int8's the row-lane tiles from 6) with experts of 1 to 64 tokens: each
+    token's output against its one-token call."""
+    E, k, H, I, M = 6, 2, 160, 96, 64
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    for e in range(E):
+        table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+                  quantize(rand(H, I, scale=0.2), fmt))
+    x = rand(M, H)
+    # experts 0 .. 5 get 64, 45, 7, 6, 5 and 1 tokens (a token's two experts differ)
+    second = np.concatenate([np.repeat(np.array([2, 3, 4, 5, 1], np.int32), [7, 6, 5, 1, 21]),
+                             np.full(24, 0, np.int32)])
+    first = np.concatenate([np.zeros(40, np.int32), np.ones(24, np.int32)])
+    idx = np.stack([first, second], 1).astype(np.int32)
+    assert np.bincount(idx.ravel()).tolist() == [64, 45, 7, 6, 5, 1]
+    assert (idx[:, 0] != idx[:, 1]).all()
+    w = rand(M, k, scale=0.5)
+    out = np.empty((M, H), np.float32)
+    K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    for i in range(M):
+        one = np.empty((1, H), np.float32)
+        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
+                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        if fmt == "int8":
+            np.testing.assert_array_equal(out[i], one[0], err_msg=f"token {i}")
+        else:
+            np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
 
 
 def test_int8_experts_give_a_token_the_same_bits_alone_or_in_a_batch():

@@ -90,6 +90,8 @@ cdef extern from "simd_q.h" nogil:
     void coli_quantize_row_q8(const float *x, int K, int8_t *q, float *d, int32_t *s)
     void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+    void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const coli_mat *W, int n0, int nb, int K, float *Y,
+                          long ldy)
     void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
 
 cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a change rebuilds)

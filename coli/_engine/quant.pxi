@@ -449,6 +449,7 @@ cdef class MoEScratch:
 cdef struct moe_job:
     # what the parallel phases of moe_experts read
     const coli_mat *mats   # the table's (E, 3): gate, up, down
+    int M                  # tokens of the call (the kernels' choice of tiles for an expert's share)
     int H, inter, rb, act
     const int *cnt         # (E,) tokens per expert
     const int *offs        # (E+1,) first row of each expert in xg
@@ -479,8 +480,8 @@ cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
         coli_gemm_q16(&sub16, ne, &j.mats[3 * e], n0, nb, H, g, I)
         coli_gemm_q16(&sub16, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
     else:
-        coli_gemm_any(&sub, ne, &j.mats[3 * e], n0, nb, H, g, I)
-        coli_gemm_any(&sub, ne, &j.mats[3 * e + 1], n0, nb, H, u, I)
+        coli_gemm_any_of(&sub, ne, j.M, &j.mats[3 * e], n0, nb, H, g, I)
+        coli_gemm_any_of(&sub, ne, j.M, &j.mats[3 * e + 1], n0, nb, H, u, I)
     for r in range(ne):
         coli_gated_act_row(g + r * I + n0, u + r * I + n0, g + r * I + n0, nb, j.act)
 
@@ -497,7 +498,7 @@ cdef void _moe_down(const moe_job *j, int item) noexcept nogil:
     elif j.q16:
         coli_gemm_q16(&sub16, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
     else:
-        coli_gemm_any(&sub, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
+        coli_gemm_any_of(&sub, ne, j.M, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
 
 
 def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, counts, int act,
@@ -554,6 +555,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef float *xg = scratch.xg
     cdef moe_job job
     job.mats, job.H, job.inter, job.act = table.mats, H, inter, act
+    job.M = M
     job.cnt, job.offs, job.poff = cnt, offs, poff
     job.g, job.u, job.y = scratch.g, scratch.u, scratch.y
     job.ax = _activations(xg, H, NULL, NULL, NULL, 0, 0)

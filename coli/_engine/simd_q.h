@@ -640,6 +640,11 @@ COLI_QTILES(coli_q4atile, 2)
  * verification (up to 17 tokens a sequence); prefill chunks take the GEMM. */
 #define COLI_Q4GEMM8_MIN 64
 #endif
+#ifndef COLI_Q4GEMM8_FEW
+/* a MoE expert's tokens in a call of COLI_Q4GEMM8_MIN or more (prefill): from this many on the
+ * GEMM (one block of 8 token lanes) beats the one-token tile once per token */
+#define COLI_Q4GEMM8_FEW 6
+#endif
 
 /* The activations of 8 tokens (q rows t0 .. t0 + 7; rows past nt are zeros) for groups
  * c0 .. c0 + cn, interleaved by 4-byte pieces: xb[(g * 8 + k) * 32 + 4 * t ..] holds token
@@ -647,22 +652,48 @@ COLI_QTILES(coli_q4atile, 2)
  * of all 8 tokens (an 8 x 8 transpose of dwords per group). dx[g * 8 + t]: the token's
  * group scale; xo[g * 8 + t]: 8 * its group sum (Q4's offset, as int32) or scale * sum
  * (Q4A's mins, as float). */
+/* o[8 * g + t] = lane g of r[t] (an 8 x 8 transpose of floats) */
+static inline void coli_t8x8_ps(const __m256 r[8], float *o) {
+    __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    _mm256_store_ps(o + 0, _mm256_permute2f128_ps(b0, b4, 0x20));
+    _mm256_store_ps(o + 8, _mm256_permute2f128_ps(b1, b5, 0x20));
+    _mm256_store_ps(o + 16, _mm256_permute2f128_ps(b2, b6, 0x20));
+    _mm256_store_ps(o + 24, _mm256_permute2f128_ps(b3, b7, 0x20));
+    _mm256_store_ps(o + 32, _mm256_permute2f128_ps(b0, b4, 0x31));
+    _mm256_store_ps(o + 40, _mm256_permute2f128_ps(b1, b5, 0x31));
+    _mm256_store_ps(o + 48, _mm256_permute2f128_ps(b2, b6, 0x31));
+    _mm256_store_ps(o + 56, _mm256_permute2f128_ps(b3, b7, 0x31));
+}
+
 static inline void coli_q4gemm8_acts(const coli_act *a, int t0, int nt, int c0, int cn, int asym, int8_t *xb,
                                      float *dx, int32_t *xo) {
+    for (int g0 = 0; g0 < cn; g0 += 8) { /* the scales and offsets of 8 groups, transposed */
+        const __m256i gm = _mm256_cmpgt_epi32(_mm256_set1_epi32(cn - g0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 d[8], o[8];
+        for (int t = 0; t < 8; t++) {
+            __m256i sum = _mm256_setzero_si256();
+            d[t] = _mm256_setzero_ps();
+            if (t < nt) {
+                d[t] = _mm256_maskload_ps(a->qd + (long)(t0 + t) * a->ldb + c0 + g0, gm);
+                sum = _mm256_maskload_epi32((const int *)(a->qs + (long)(t0 + t) * a->ldb + c0 + g0), gm);
+            }
+            o[t] = asym ? _mm256_mul_ps(d[t], _mm256_cvtepi32_ps(sum)) : _mm256_castsi256_ps(_mm256_slli_epi32(sum, 3));
+        }
+        coli_t8x8_ps(d, dx + g0 * 8);
+        coli_t8x8_ps(o, (float *)(xo + g0 * 8));
+    }
     for (int g = 0; g < cn; g++) {
         __m256i r[8];
         for (int t = 0; t < 8; t++) {
             const int8_t *src = a->q + (long)(t0 + t) * a->ldq + (long)(c0 + g) * 32;
             r[t] = t < nt ? _mm256_loadu_si256((const __m256i *)src) : _mm256_setzero_si256();
-            float d = t < nt ? a->qd[(long)(t0 + t) * a->ldb + c0 + g] : 0.0f;
-            int32_t sum = t < nt ? a->qs[(long)(t0 + t) * a->ldb + c0 + g] : 0;
-            dx[g * 8 + t] = d;
-            if (asym) {
-                float f = d * (float)sum;
-                memcpy(xo + g * 8 + t, &f, 4);
-            } else {
-                xo[g * 8 + t] = 8 * sum;
-            }
         }
         __m256i t0_ = _mm256_unpacklo_epi32(r[0], r[1]), t1_ = _mm256_unpackhi_epi32(r[0], r[1]);
         __m256i t2_ = _mm256_unpacklo_epi32(r[2], r[3]), t3_ = _mm256_unpackhi_epi32(r[2], r[3]);
@@ -707,7 +738,8 @@ static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const in
             s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[5]), _mm256_load_si256(xg + 5)));
             s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[6]), _mm256_load_si256(xg + 6)));
             s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[7]), _mm256_load_si256(xg + 7)));
-            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+            /* and one int16 sum of both: 16 products of at most 15 x 127 per lane, < 2^15 */
+            __m256i d = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
             if (!asym) d = _mm256_sub_epi32(d, xo);
             __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dx);
             acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(ws + r * COLI_Q4GEMM8_KC + g), acc[r]);
@@ -931,9 +963,13 @@ static inline void coli_gemm_tokens_any(const float *P, int M, const coli_mat *W
 }
 
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb: f32, bf16, Q4 or Q4A weights (Q8 takes
- * int16 activations: coli_gemm_q16, simd_q16.h). K: logical columns. */
-static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K,
-                                 float *Y, long ldy) {
+ * int16 activations: coli_gemm_q16, simd_q16.h). K: logical columns. The M tokens are part of
+ * a call of Mcall (a MoE expert's tokens of the call's): on AVX2, Q4 / Q4A take the token-lane
+ * GEMM from COLI_Q4GEMM8_MIN tokens, or from COLI_Q4GEMM8_FEW when the call has at least
+ * COLI_Q4GEMM8_MIN, so a token's bits still depend only on the size of its call. */
+static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const coli_mat *W, int n0, int nb, int K,
+                                    float *Y, long ldy) {
+    (void)Mcall;
     if (W->fmt == COLI_F32) {
         coli_gemm_nt(a->x, a->ldx, M, (const float *)W->w + n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
     } else if (W->fmt == COLI_BF16) {
@@ -943,7 +979,8 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
         const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
 #if defined(COLI_Q4GEMM8_OK)
-        if (M >= COLI_Q4GEMM8_MIN && (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
+        if ((M >= COLI_Q4GEMM8_MIN || (Mcall >= COLI_Q4GEMM8_MIN && M >= COLI_Q4GEMM8_FEW)) &&
+            (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
             coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy);
             return;
         }
@@ -985,6 +1022,11 @@ static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, in
             }
         }
     }
+}
+
+static inline void coli_gemm_any(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    coli_gemm_any_of(a, M, M, W, n0, nb, K, Y, ldy);
 }
 
 /* out[:K] = row r of W as float32. */

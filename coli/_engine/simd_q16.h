@@ -639,6 +639,161 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
     }
 }
 
+/* ---- many tokens x 8 rows, rows in lanes (AVX2 prefill) ---------------------------------
+ * The tiles above broadcast each activation pair over its 128-bit lane in registers
+ * (16 vpshufd per token and step, all on the shuffle port) and transpose and widen the
+ * weights again for every 8 tokens. From COLI_Q16R_MIN tokens on, coli_gemm_q16 takes these
+ * instead: lane j of a vector is weight row j (8 rows) of one group, so an activation pair
+ * is one vpbroadcastd straight from the quantized row (a load, no ALU uop), and a block of
+ * 8 rows x COLI_Q16R_KC groups is widened and transposed once (coli_q16r_prep, 16 KB, L1)
+ * for up to COLI_Q16R_TB tokens. Per token and group: 16 broadcasts, 16 vpmaddwd, 15 vpaddd,
+ * then one convert, scale multiply and fma for 8 rows.
+ *
+ * The same bits as the tiles above, so a token's result does not depend on which kernel M
+ * picks: each int32 lane is the same exact group sum, and each row keeps two float sums,
+ * its even groups and its odd groups (the tiles' 128-bit lanes 0 and 1), each
+ * fma(float(sum), weight scale x activation scale, acc) in group order, added at the end
+ * (even + odd); a missing odd group (nb odd) adds the +0 the tiles' zero step adds. */
+#ifndef COLI_Q16R_MIN
+#define COLI_Q16R_MIN 6   /* tokens from which coli_gemm_q16 takes the row-lane tiles (from 4-5 on as fast) */
+#endif
+#define COLI_Q16R_MR 4    /* tokens per tile: 8 float + 4 int32 accumulators */
+#define COLI_Q16R_KC 32   /* groups per widened weight block (8 rows: 16 KB) */
+#define COLI_Q16R_TB 64   /* tokens whose partial sums one weight block serves */
+
+/* S[(g * 16 + p) * 8 + j] = pair p (values 2p, 2p + 1, as int16) of row j's group c0 + g,
+ * ws[g * 8 + j] = its scale, for g < cn. */
+static inline void coli_q16r_prep(const int8_t *const *r, const uint16_t *const *d, int c0, int cn, int32_t *S,
+                                  float *ws) {
+    for (int g = 0; g < cn; g++) {
+        long o = (long)(c0 + g) * QK;
+        for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7: an 8 x 8 transpose of dwords */
+            __m256i v[8], t[8], u[8];
+            for (int j = 0; j < 8; j++) v[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(r[j] + o + 16 * h)));
+            for (int j = 0; j < 8; j += 2) {
+                t[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);     /* rows j, j+1: pairs 0, 1 | 4, 5 */
+                t[j + 1] = _mm256_unpackhi_epi32(v[j], v[j + 1]); /* 2, 3 | 6, 7 */
+            }
+            for (int j = 0; j < 8; j += 4) {
+                u[j + 0] = _mm256_unpacklo_epi64(t[j], t[j + 2]);     /* rows j .. j+3: pair 0 | 4 */
+                u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);     /* 1 | 5 */
+                u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]); /* 2 | 6 */
+                u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]); /* 3 | 7 */
+            }
+            __m256i *s = (__m256i *)(S + (g * 16 + 8 * h) * 8);
+            for (int k = 0; k < 4; k++) {
+                _mm256_store_si256(s + k, _mm256_permute2x128_si256(u[k], u[k + 4], 0x20));
+                _mm256_store_si256(s + k + 4, _mm256_permute2x128_si256(u[k], u[k + 4], 0x31));
+            }
+        }
+        uint16_t e[8];
+        for (int j = 0; j < 8; j++) e[j] = d[j][c0 + g];
+        _mm256_store_ps(ws + g * 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)e)));
+    }
+}
+
+/* The int32 sums stay one chain per token in a register: left alone, gcc reassociates the
+ * 16 adds into a tree and spills the 64 products to the stack. */
+#if defined(__GNUC__)
+#define COLI_Q16R_KEEP(v) __asm__("" : "+x"(v))
+#else
+#define COLI_Q16R_KEEP(v) (void)0
+#endif
+/* one group b (block group g) of MR tokens into their accumulators acc[i][K] */
+#define COLI_Q16R_GROUP(MR, K)                                                                     \
+    {                                                                                              \
+        int b = c0 + g;                                                                            \
+        long f = coli_q16_first(b, nb), h = f + coli_q16_gap(b, nb) - 16;                          \
+        const __m256i *s = (const __m256i *)(S + g * 128);                                         \
+        __m256i d[MR];                                                                             \
+        for (int i = 0; i < MR; i++) d[i] = _mm256_setzero_si256();                                \
+        _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) {                                    \
+            __m256i w = _mm256_load_si256(s + p);                                                  \
+            long off = p < 8 ? f + 2 * p : h + 2 * p;                                              \
+            for (int i = 0; i < MR; i++) {                                                         \
+                int32_t x2;                                                                        \
+                memcpy(&x2, q + i * ldq + off, 4);                                                 \
+                d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));        \
+                COLI_Q16R_KEEP(d[i]);                                                              \
+            }                                                                                      \
+        }                                                                                          \
+        __m256 wsc = _mm256_load_ps(ws + g * 8);                                                   \
+        for (int i = 0; i < MR; i++)                                                               \
+            acc[i][K] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), _mm256_mul_ps(wsc, _mm256_broadcast_ss(qd + i * ldb + b)), \
+                                        acc[i][K]);                                                \
+    }
+
+/* MR tokens (int16 rows q, ldq apart; scales qd, ldb apart) x the 8 rows of a prepared
+ * block of groups c0 .. c0 + cn of nb (c0 even): the partial sums A[i * 16 ..] (even
+ * groups' 8 rows, then odd groups') go on from A (or from zero with first), and with last
+ * the rows' sums go to Y[i * ldy + j], j < nr, instead. */
+#define COLI_Q16RTILE(MR)                                                                          \
+    static inline void coli_q16rtile_##MR(const int16_t *q, long ldq, const float *qd, long ldb, const int32_t *S, \
+                                         const float *ws, int c0, int cn, int nb, float *A, int first, int last, \
+                                         int nr, float *Y, long ldy) {                             \
+        __m256 acc[MR][2];                                                                         \
+        for (int i = 0; i < MR; i++)                                                               \
+            for (int k = 0; k < 2; k++) acc[i][k] = first ? _mm256_setzero_ps() : _mm256_load_ps(A + i * 16 + 8 * k); \
+        int g = 0;                                                                                 \
+        for (; g + 2 <= cn; g++) {                                                                 \
+            COLI_Q16R_GROUP(MR, 0)                                                                 \
+            g++;                                                                                   \
+            COLI_Q16R_GROUP(MR, 1)                                                                 \
+        }                                                                                          \
+        if (g < cn) COLI_Q16R_GROUP(MR, 0)                                                         \
+        if (!last) {                                                                               \
+            for (int i = 0; i < MR; i++)                                                           \
+                for (int k = 0; k < 2; k++) _mm256_store_ps(A + i * 16 + 8 * k, acc[i][k]);        \
+            return;                                                                                \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[8];                                                                         \
+            __m256 odd = nb & 1 ? _mm256_add_ps(acc[i][1], _mm256_setzero_ps()) : acc[i][1];       \
+            _mm256_storeu_ps(sums, _mm256_add_ps(acc[i][0], odd));                                 \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }                                                                                          \
+    }
+
+COLI_Q16RTILE(1) COLI_Q16RTILE(2) COLI_Q16RTILE(3) COLI_Q16RTILE(4)
+
+/* Y[m, n] = dot(act row m, W row n) for m < M, n < N (W: rows wq / wd, ldw / ldd apart): the
+ * row-lane tiles, 8 rows x up to COLI_Q16R_TB tokens x COLI_Q16R_KC groups per block. */
+static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, const uint16_t *wd, long ldw,
+                                  long ldd, int N, int nb, float *Y, long ldy) {
+    enum { KC = COLI_Q16R_KC, TB = COLI_Q16R_TB, MR = COLI_Q16R_MR };
+    _Alignas(32) int32_t S[KC * 128];
+    _Alignas(32) float ws[KC * 8];
+    _Alignas(32) float A[TB * 16];
+    for (int n = 0; n < N; n += 8) {
+        int nr = N - n < 8 ? N - n : 8;
+        const int8_t *r[8];
+        const uint16_t *dr[8];
+        for (int j = 0; j < 8; j++) { /* rows past nr repeat the last one; dropped at the end */
+            long jj = n + (j < nr ? j : nr - 1);
+            r[j] = wq + jj * ldw;
+            dr[j] = wd + jj * ldd;
+        }
+        for (int t0 = 0; t0 < M; t0 += TB) {
+            int tn = M - t0 < TB ? M - t0 : TB;
+            for (int c0 = 0; c0 < nb; c0 += KC) {
+                int cn = nb - c0 < KC ? nb - c0 : KC, first = c0 == 0, last = c0 + cn == nb;
+                coli_q16r_prep(r, dr, c0, cn, S, ws);
+                for (int t = 0; t < tn; t += MR) {
+                    const int16_t *q = a->q + (long)(t0 + t) * a->ldq;
+                    const float *qd = a->qd + (long)(t0 + t) * a->ldb;
+                    float *y = Y + (long)(t0 + t) * ldy + n, *acc = A + t * 16;
+                    switch (tn - t < MR ? tn - t : MR) {
+                    case 1: coli_q16rtile_1(q, a->ldq, qd, a->ldb, S, ws, c0, cn, nb, acc, first, last, nr, y, ldy); break;
+                    case 2: coli_q16rtile_2(q, a->ldq, qd, a->ldb, S, ws, c0, cn, nb, acc, first, last, nr, y, ldy); break;
+                    case 3: coli_q16rtile_3(q, a->ldq, qd, a->ldb, S, ws, c0, cn, nb, acc, first, last, nr, y, ldy); break;
+                    default: coli_q16rtile_4(q, a->ldq, qd, a->ldb, S, ws, c0, cn, nb, acc, first, last, nr, y, ldy); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
  * arranged (a->xe); 4 rows x up to 8 tokens per tile, each block of 4 weight rows read
  * once for all M tokens. K: logical columns. */
@@ -647,6 +802,10 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
     int ngroups = (K + QK - 1) / QK;
     const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
     const uint16_t *wd = W->d + (long)n0 * W->ldd;
+    if (M >= COLI_Q16R_MIN) {
+        coli_gemm_q16r(a, M, wq, wd, W->ldw, W->ldd, nb, ngroups, Y + n0, ldy);
+        return;
+    }
     for (int n = 0; n < nb; n += 4) {
         int nr = nb - n < 4 ? nb - n : 4;
         for (int m = 0; m < M; m += COLI_Q16X_MR) {
