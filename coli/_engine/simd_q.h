@@ -689,30 +689,13 @@ static inline void coli_q4gemm8_acts(const coli_act *a, int t0, int nt, int c0, 
         coli_t8x8_ps(d, dx + g0 * 8);
         coli_t8x8_ps(o, (float *)(xo + g0 * 8));
     }
-    for (int g = 0; g < cn; g++) {
-        __m256i r[8];
+    for (int g = 0; g < cn; g++) { /* the 8 tokens' 4-byte pieces of group g, interleaved */
+        __m256 r[8];
         for (int t = 0; t < 8; t++) {
             const int8_t *src = a->q + (long)(t0 + t) * a->ldq + (long)(c0 + g) * 32;
-            r[t] = t < nt ? _mm256_loadu_si256((const __m256i *)src) : _mm256_setzero_si256();
+            r[t] = _mm256_castsi256_ps(t < nt ? _mm256_loadu_si256((const __m256i *)src) : _mm256_setzero_si256());
         }
-        __m256i t0_ = _mm256_unpacklo_epi32(r[0], r[1]), t1_ = _mm256_unpackhi_epi32(r[0], r[1]);
-        __m256i t2_ = _mm256_unpacklo_epi32(r[2], r[3]), t3_ = _mm256_unpackhi_epi32(r[2], r[3]);
-        __m256i t4_ = _mm256_unpacklo_epi32(r[4], r[5]), t5_ = _mm256_unpackhi_epi32(r[4], r[5]);
-        __m256i t6_ = _mm256_unpacklo_epi32(r[6], r[7]), t7_ = _mm256_unpackhi_epi32(r[6], r[7]);
-        /* u[k]: dwords k and k + 4 of tokens 0-3 / 4-7 */
-        __m256i u0 = _mm256_unpacklo_epi64(t0_, t2_), u1 = _mm256_unpackhi_epi64(t0_, t2_);
-        __m256i u2 = _mm256_unpacklo_epi64(t1_, t3_), u3 = _mm256_unpackhi_epi64(t1_, t3_);
-        __m256i u4 = _mm256_unpacklo_epi64(t4_, t6_), u5 = _mm256_unpackhi_epi64(t4_, t6_);
-        __m256i u6 = _mm256_unpacklo_epi64(t5_, t7_), u7 = _mm256_unpackhi_epi64(t5_, t7_);
-        __m256i *o = (__m256i *)(xb + g * 256);
-        _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
-        _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
-        _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
-        _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
-        _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
-        _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
-        _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
-        _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+        coli_t8x8_ps(r, (float *)(xb + g * 256)); /* dword moves only: the bytes as they are */
     }
 }
 
