@@ -107,27 +107,38 @@ def test_extreme_codes_do_not_overflow(fmt):
     np.testing.assert_allclose(_qlinear(x, m), reference_qlinear(x, m), atol=1e-3, rtol=1e-5)
 
 
+def _expert_table(fmt, E, H, I):
+    """E random experts (gate, up, down) in ``fmt``."""
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    for e in range(E):
+        table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+                  quantize(rand(H, I, scale=0.2), fmt))
+    return table
+
+
+def _moe(x, idx, w, table, E, I):
+    """K.moe_experts over these tokens: (output (M, H), experts used)."""
+    (M, H), k = x.shape, idx.shape[1]
+    out = np.empty((M, H), np.float32)
+    used = K.moe_experts(np.ascontiguousarray(x), np.ascontiguousarray(idx), np.ascontiguousarray(w), table, out,
+                         K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    return out, used
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("M,H,I", [(6, 96, 80), (11, 160, 224)])
 def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
     """Every token routed to the same two of four experts (so each computes M tokens
     through the multi-token tiles), against the one-token-at-a-time result."""
     E, k = 4, 2
-    mats = [[quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
-             quantize(rand(H, I, scale=0.2), fmt)] for _ in range(E)]
-    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
-    for e in range(E):
-        table.set(e, *mats[e])
+    table = _expert_table(fmt, E, H, I)
     x = rand(M, H)
     idx = np.tile(np.array([[2, 0]], np.int32), (M, 1))
     w = rand(M, k, scale=0.5)
-    out = np.empty((M, H), np.float32)
-    used = K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    out, used = _moe(x, idx, w, table, E, I)
     assert used == 2
     for i in range(M):
-        one = np.empty((1, H), np.float32)
-        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
-                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        one, _ = _moe(x[i:i + 1], idx[i:i + 1], w[i:i + 1], table, E, I)
         np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
 
 
@@ -137,10 +148,7 @@ def test_moe_prefill_experts_with_few_tokens_each(fmt):
     tokens on and int8's the row-lane tiles from 6) with experts of 1 to 64 tokens: each
     token's output against its one-token call."""
     E, k, H, I, M = 6, 2, 160, 96, 64
-    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
-    for e in range(E):
-        table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
-                  quantize(rand(H, I, scale=0.2), fmt))
+    table = _expert_table(fmt, E, H, I)
     x = rand(M, H)
     # experts 0 .. 5 get 64, 45, 7, 6, 5 and 1 tokens (a token's two experts differ)
     second = np.concatenate([np.repeat(np.array([2, 3, 4, 5, 1], np.int32), [7, 6, 5, 1, 21]),
@@ -150,12 +158,9 @@ def test_moe_prefill_experts_with_few_tokens_each(fmt):
     assert np.bincount(idx.ravel()).tolist() == [64, 45, 7, 6, 5, 1]
     assert (idx[:, 0] != idx[:, 1]).all()
     w = rand(M, k, scale=0.5)
-    out = np.empty((M, H), np.float32)
-    K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    out, _ = _moe(x, idx, w, table, E, I)
     for i in range(M):
-        one = np.empty((1, H), np.float32)
-        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
-                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        one, _ = _moe(x[i:i + 1], idx[i:i + 1], w[i:i + 1], table, E, I)
         if fmt == "int8":
             np.testing.assert_array_equal(out[i], one[0], err_msg=f"token {i}")
         else:
@@ -166,21 +171,15 @@ def test_int8_experts_give_a_token_the_same_bits_alone_or_in_a_batch():
     """int8 experts: each token's MoE output has the bits of its one-token call (the int16
     activations and their arrangement are per row, so an expert's batch is its tokens)."""
     E, k, H, I = 4, 2, 160, 96
-    table = K.ExpertTable(E, H, I, K.FORMATS["int8"])
-    for e in range(E):
-        table.set(e, quantize(rand(I, H, scale=0.2), "int8"), quantize(rand(I, H, scale=0.2), "int8"),
-                  quantize(rand(H, I, scale=0.2), "int8"))
+    table = _expert_table("int8", E, H, I)
     M = 11
     x = rand(M, H)
     idx = np.stack([RNG.permutation(E)[:k] for _ in range(M)]).astype(np.int32)
     idx[:6] = [3, 1]  # six tokens share two experts: tiles of several tokens
     w = rand(M, k, scale=0.5)
-    out = np.empty((M, H), np.float32)
-    K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), np.zeros(E, np.int64), 0)
+    out, _ = _moe(x, idx, w, table, E, I)
     for i in range(M):
-        one = np.empty((1, H), np.float32)
-        K.moe_experts(x[i:i + 1].copy(), idx[i:i + 1].copy(), w[i:i + 1].copy(), table, one,
-                      K.MoEScratch(1, k, E, H, I), np.zeros(E, np.int64), 0)
+        one, _ = _moe(x[i:i + 1], idx[i:i + 1], w[i:i + 1], table, E, I)
         np.testing.assert_array_equal(out[i], one[0], err_msg=f"token {i}")
 
 
@@ -195,17 +194,12 @@ def test_calls_too_large_to_arrange_take_the_plain_tiles(fmt):
     try:
         plain = _qlinear(x, m)
         E, H, I = 3, 96, 64
-        table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
-        for e in range(E):
-            table.set(e, quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
-                      quantize(rand(H, I, scale=0.2), fmt))
+        table = _expert_table(fmt, E, H, I)
         xm, idx, wm = rand(5, H), np.tile(np.array([[1, 2]], np.int32), (5, 1)), rand(5, 2, scale=0.5)
         outs = []
         for budget in (0, 16 << 20):
             K.set_xe_max_bytes(budget)
-            out = np.empty((5, H), np.float32)
-            K.moe_experts(xm, idx, wm, table, out, K.MoEScratch(5, 2, E, H, I), np.zeros(E, np.int64), 0)
-            outs.append(out)
+            outs.append(_moe(xm, idx, wm, table, E, I)[0])
     finally:
         K.set_xe_max_bytes(16 << 20)
     ref = reference_qlinear(x, m)
