@@ -126,12 +126,16 @@ class LinearGroup:
         self.scratch = linears[0].scratch
         self.fused = len({(m.fmt, m.cols) for m in self.mats}) == 1
 
-    def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rs: RunState) -> None:
+    def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rs: RunState, act: int = -1) -> None:
+        """``act`` (gate and up only): outs[0] becomes act(gate) * up, in the same kernel call
+        when fused."""
         if not self.fused:
             for lin, out in zip(self.linears, outs):
                 lin(x, out, rs)
+            if act >= 0:
+                K.gated_act(outs[0], outs[1], outs[0], act)
             return
-        K.qlinear_many(x, self.mats, outs, self.biases, *rs.views(self, len(x), self.scratch))
+        K.qlinear_many(x, self.mats, outs, self.biases, *rs.views(self, len(x), self.scratch), act)
 
 
 class Attention:
@@ -215,12 +219,7 @@ class GatedMLP:
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         g, u = gu = rs.views(self, len(x), self.bufs)
-        gu_ = self.gate_up
-        if gu_.fused:  # gate, up and act(g) * u in one kernel call
-            K.qlinear_many(x, gu_.mats, gu, gu_.biases, *rs.views(gu_, len(x), gu_.scratch), self.act)
-        else:
-            gu_(x, gu, rs)
-            K.gated_act(g, u, g, self.act)
+        self.gate_up(x, gu, rs, self.act)  # g = act(gate) * up
         self.down(g, out, rs)
 
 
