@@ -1,7 +1,7 @@
 """Column scales: a matrix quantized as ``Q(W / s) * s``, ``s`` one float per input column.
 
 A few input dimensions of a model's embedding table (and so of a tied LM head) can be far
-larger than the rest: on the built-in model 3 of the 192 hidden dimensions have 4-42x the
+larger than the rest: on the built-in model 3 of the 192 hidden dimensions have 9-42x the
 median column RMS. A group of 32 weights takes its scale from its largest one, so every
 group that holds such a column rounds its other 31 weights on a coarse grid. Dividing each
 such column by ``s_j = (rms_j / median rms) ** alpha`` before rounding, and multiplying it
@@ -25,14 +25,14 @@ onto the outlier ones, so it loses where the inputs are large in those dimension
 model the residual stream carries the embedding's outlier dimensions, and the final norm
 multiplies them by its weight: the built-in model, trained, has learned small norm weights
 there (the log of the column RMS and of the norm weight correlate at -0.78), while a random
-model with the same outlier columns keeps them large, and scaling doubled its head's KL.
+model with the same outlier columns keeps them large, and there scaling can lose.
 So the error is weighted by 1 (its use as the embedding) plus an estimate of the head's
 E[x_j^2], (norm_j * rms_j)^2, over its mean (its use as the head).
 
 ``choose`` tries a few ``alpha`` on a sample of the rows, keeps the one whose weighted
-reconstruction error is smallest (0, no scale, whenever scaling does not help: a matrix already on its grid,
-as the layers of a GGUF are, keeps its exact rounding) and quantizes the whole matrix with
-it. With calibration statistics of the matrix's inputs (E[x x^T] or E[x^2]), the error is
+reconstruction error is smallest (0, no scale, whenever scaling does not help: a matrix
+already on its grid, as the layers of a GGUF are, keeps its exact rounding) and quantizes
+the whole matrix with it. With calibration statistics of the matrix's inputs (E[x x^T] or E[x^2]), the error is
 weighted by E[x^2], and the scaled matrix is rounded against the statistics of the inputs it
 then multiplies, s * x: E[(s x)(s x)^T] = s s^T * E[x x^T].
 """
