@@ -7,9 +7,17 @@ instead of the argmax. A random-weight model's greedy tokens soon repeat one tok
 routing repeats too and any expert cache hits almost always; fed varied tokens, its
 routing moves the way a real conversation's does, which is what a cache A/B needs.
 Reported numbers are medians over repeats, with min and max beside them.
+
+The roofline is what memory bandwidth allows: the bytes a decode token must read (the
+weights it uses, and the KV cache its attention reads at the run's mean context) over the
+bandwidth the kernels' threads get from a buffer larger than the caches. The bandwidth is
+probed right after each repeat's decode, so a run is judged against the memory it had: on
+a machine shared with other work the available bandwidth moves between seconds, and one
+probe at the end would compare every run with whatever that moment gave.
 """
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -28,6 +36,8 @@ class RunResult:
     hit_rate: float
     bytes_read_per_token: float
     io_wait_s: float
+    bandwidth_bytes_s: float = 0.0  # the memory probe right after this run's decode
+    roofline_fraction: float = 0.0  # decode_tok_s x (weights + KV read per token) / bandwidth_bytes_s
 
 
 @dataclass
@@ -45,8 +55,9 @@ class BenchResult:
     kv_bytes_per_token_expanded: int  # what full per-head K/V would take (differs for MLA)
     peak_rss_bytes: int
     weight_bytes_per_token: int  # weights one decode token reads (dense matrices + top-k experts)
-    bandwidth_bytes_s: float  # memory read bandwidth measured with the same threads
-    roofline_tok_s: float  # bandwidth / weight_bytes_per_token
+    kv_bytes_read_per_token: int  # KV cache a decode token's attention reads, at the runs' mean context
+    bandwidth_bytes_s: float  # memory read bandwidth with the same threads: the median of the runs' probes
+    roofline_tok_s: float  # bandwidth / (weight_bytes_per_token + kv_bytes_read_per_token)
     runs: list[RunResult] = field(default_factory=list)
 
     def median(self, key: str) -> float:
@@ -92,6 +103,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+CLEAR_REFS = "/proc/self/clear_refs"  # Linux: writing 5 starts the peak RSS afresh from the current RSS
+
+
+def _reset_peak_rss() -> None:
+    with open(CLEAR_REFS, "w") as f:
+        f.write("5")
+
+
 def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3, seed: int = 0,
         label: str = "", decode: str = "greedy") -> BenchResult:
     """Benchmark a loaded ``coli.Model``; ``decode`` is "greedy" or "random" (see above)."""
@@ -103,8 +122,13 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
     V = model.config.vocab_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, V, size=prompt_tokens).tolist() for _ in range(repeats + 1)]
+    per_token = weight_bytes_per_token(model)
+    kv_read = kv_bytes_read_per_token(model, prompt_tokens, gen_tokens)
     feeds = [rng.integers(2, V, size=gen_tokens).tolist() for _ in range(repeats + 1)]
     runs = []
+    # a probe between runs needs the peak RSS reset after it (its buffer is not the model's);
+    # where that cannot be done, one probe after the last run serves them all
+    peak_rss, interleave = 0, os.access(CLEAR_REFS, os.W_OK)
     for r, prompt in enumerate(prompts):
         cache = eng.new_cache(prompt_tokens + gen_tokens)
         s0 = _copy(eng.totals)
@@ -121,6 +145,11 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         dec = _delta(s1, eng.totals)
         if r == 0:
             continue  # warm-up: first-touch page faults, thread start, allocations
+        peak_rss = max(peak_rss, peak_rss_bytes())  # the model's, before this run's bandwidth probe
+        bw = 0.0
+        if interleave:
+            bw = memory_bandwidth(repeats=3)
+            _reset_peak_rss()
         runs.append(RunResult(
             prefill_tok_s=prompt_tokens / (s1.seconds - s0.seconds),
             decode_tok_s=gen_tokens / t_dec,
@@ -128,10 +157,16 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
             hit_rate=dec.experts_hit / dec.experts_needed if dec.experts_needed else 1.0,
             bytes_read_per_token=dec.bytes_read / gen_tokens,
             io_wait_s=dec.io_wait,
+            bandwidth_bytes_s=bw,
         ))
-    peak_rss = peak_rss_bytes()  # before the bandwidth probe's buffer
-    per_token = weight_bytes_per_token(model)
-    bw = memory_bandwidth()
+    late = [x for x in runs if not x.bandwidth_bytes_s]
+    if late:
+        bw = memory_bandwidth()
+        for x in late:
+            x.bandwidth_bytes_s = bw
+    for x in runs:
+        x.roofline_fraction = x.decode_tok_s * (per_token + kv_read) / x.bandwidth_bytes_s
+    bw = statistics.median(x.bandwidth_bytes_s for x in runs)
     layers = model.engine.model.layers
     kv_per_token = sum(l.attn.k_width + l.attn.v_width for l in layers) * 4
     expanded = sum(l.attn.expanded_kv_width() if hasattr(l.attn, "expanded_kv_width")
@@ -141,7 +176,8 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         model=label or str(model.path), decode=decode, quant=getattr(w, "quant", "f32"), threads=eng.threads,
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
         resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token, kv_bytes_per_token_expanded=expanded,
-        peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, bandwidth_bytes_s=bw, roofline_tok_s=bw / per_token, runs=runs)
+        peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, kv_bytes_read_per_token=kv_read,
+        bandwidth_bytes_s=bw, roofline_tok_s=bw / (per_token + kv_read), runs=runs)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -171,6 +207,21 @@ def weight_bytes_per_token(model) -> int:
     for moe in net.moe_layers:
         total += moe.k * expert_bytes(moe)
     return total
+
+
+def kv_bytes_read_per_token(model, prompt_tokens: int, gen_tokens: int) -> int:
+    """Bytes of KV cache one decode step's attention reads, averaged over a run that decodes
+    gen_tokens after a prompt of prompt_tokens: every layer reads its cached rows of the
+    positions it attends (all before the token, or the last ``window`` of them)."""
+    total = 0.0
+    for layer in model.engine.model.layers:
+        a = layer.attn
+        width = (a.k_width + a.v_width) * 4  # float32 rows
+        window = getattr(a, "window", 0) or 0
+        for j in (0, gen_tokens - 1):  # attended positions grow by one per step: the mean of the ends
+            n = prompt_tokens + 1 + j
+            total += width * (min(n, window) if window > 0 else n) / 2
+    return int(total)
 
 
 def expert_bytes(moe) -> int:

@@ -80,3 +80,33 @@ def test_peak_rss_is_the_process_own(tmp_path):
         child = pool.apply(bench.peak_rss_bytes)
     assert bench.peak_rss_bytes() >= big.nbytes
     assert child < big.nbytes
+
+
+def test_kv_read_counts_the_positions_each_layer_attends():
+    from types import SimpleNamespace as NS
+
+    def model(*windows):
+        layers = [NS(attn=NS(k_width=8, v_width=4, window=w)) for w in windows]
+        return NS(engine=NS(model=NS(layers=layers)))
+
+    # a run of 4 tokens after 10: the steps attend 11, 12, 13, 14 positions (mean 12.5)
+    assert bench.kv_bytes_read_per_token(model(0), 10, 4) == int(12 * 4 * 12.5)
+    # a window of 12 caps the later steps: 11, 12, 12, 12 -> the ends' mean 11.5
+    assert bench.kv_bytes_read_per_token(model(0, 12), 10, 4) == int(12 * 4 * 12.5 + 12 * 4 * 11.5)
+
+
+def test_roofline_judges_each_run_against_its_own_probe(tiny):
+    m = coli.load(tiny, threads=1)
+    res = bench.run(m, prompt_tokens=8, gen_tokens=8, repeats=2)
+    m.close()
+    layers = m.engine.model.layers
+    width = sum(l.attn.k_width + l.attn.v_width for l in layers) * 4
+    assert res.kv_bytes_read_per_token == int(width * (9 + 16) / 2)
+    per_token = res.weight_bytes_per_token + res.kv_bytes_read_per_token
+    for r in res.runs:
+        assert r.bandwidth_bytes_s > 0
+        assert r.roofline_fraction == pytest.approx(r.decode_tok_s * per_token / r.bandwidth_bytes_s)
+    assert res.bandwidth_bytes_s == pytest.approx(np.median([r.bandwidth_bytes_s for r in res.runs]))
+    assert res.roofline_tok_s == pytest.approx(res.bandwidth_bytes_s / per_token)
+    # the probes' 1 GiB buffer is not the model's memory
+    assert res.peak_rss_bytes < 1 << 30

@@ -51,7 +51,9 @@ def bench(
 ) -> None:
     """Prefill and decode tok/s, TTFT, expert hit rate, bytes read per token and peak RSS.
 
-    Medians over --repeats runs, each with its own random prompt, after one warm-up run."""
+    Medians over --repeats runs, each with its own random prompt, after one warm-up run. The
+    decode roofline is memory bandwidth (probed after each run) over the bytes a token reads:
+    its weights and the KV cache at the runs' mean context."""
     import coli
     from coli import bench as B
     from coli import synthetic as S
@@ -115,9 +117,12 @@ def bench(
     t.add_row("KV bytes / token", f"{res.kv_bytes_per_token:,}",
               f"expanded K/V: {res.kv_bytes_per_token_expanded:,} ({ratio:.0f}x)" if ratio > 1 else "")
     t.add_row("weights read / token", _gb(res.weight_bytes_per_token), "")
-    t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", "")
+    t.add_row("KV cache read / token", _gb(res.kv_bytes_read_per_token), f"{res.prompt_tokens + res.gen_tokens / 2:.0f} positions (mean)")
+    lo, hi = res.spread("bandwidth_bytes_s")
+    t.add_row("memory bandwidth", f"{res.bandwidth_bytes_s / 1e9:.1f} GB/s", f"{lo / 1e9:.1f} … {hi / 1e9:.1f} GB/s")
+    lo, hi = res.spread("roofline_fraction")
     t.add_row("decode roofline", f"{res.roofline_tok_s:.1f} tok/s",
-              f"decode at {res.median('decode_tok_s') / res.roofline_tok_s:.0%} of it")
+              f"decode at {res.median('roofline_fraction'):.0%} of it ({lo:.0%} … {hi:.0%})")
     if spec is not None:
         t.add_row(f"speculative ({spec['mode']}) tok/s", f"{spec['decode_tok_s_with']:.1f}",
                   f"without: {spec['decode_tok_s_without']:.1f} ({spec['speedup']:.2f}x)")
