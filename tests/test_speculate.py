@@ -15,7 +15,7 @@ from coli.runner import Runner
 from coli.sampling import SamplingParams
 from coli.scheduler import Finished, Profile, TextDelta, Usage
 from coli.speculate import MODES, Speculator, resolve_mode
-from coli.speculate.cost import Acceptance, StepCosts, best_k, expected_tokens
+from coli.speculate.cost import HORIZON, Acceptance, StepCosts, best_k, expected_tokens
 from coli.speculate.ngram import NgramDrafter
 from coli.speculate.verify import rejection_sample
 
@@ -111,6 +111,25 @@ def test_cost_model_chooses_k_by_acceptance_and_measured_step_times():
             moe.observe(m, t)
     assert moe(2) == pytest.approx(1.6) and moe(3) == pytest.approx(2.2)  # never below the experts' floor
     assert best_k(0.55, moe, 1, 4)[0] == 0  # so 55% acceptance does not look like a gain
+
+
+def test_step_costs_leave_out_stalls():
+    c = StepCosts(prior_slope=0.25)
+    c.observe(2, 40.0)  # the first verification, before any one-token step: a stall (kept for now)
+    assert c(2) == 40.0
+    for _ in range(4):
+        c.observe(1, 1.0)
+    assert c(2) == pytest.approx(1.25)  # once t(1) is known, 40 one-token steps' time is no cost of 2 tokens
+    c.observe(4, 30.0)
+    assert 4 not in c.mean and c(4) == pytest.approx(1.75)  # dropped as it arrives, too
+    c.observe(4, 7.9)  # under 2 x 4 one-token steps: a real (dear) cost, kept
+    assert c.mean[4] == 7.9 and c(4) > 3.0
+    for _ in range(3):
+        c.observe(2, 1.1)
+    assert c(2) == pytest.approx(1.1)
+    for _ in range(HORIZON):  # only one-token steps for a while: the dear 4-token sample is forgotten
+        c.observe(1, 1.0)
+    assert 4 not in c.mean and 2 not in c.mean and c(4) == pytest.approx(1.75)
 
 
 def test_step_cost_prior_follows_the_expert_share():

@@ -19,6 +19,13 @@ WINDOW = 15  # recent steps per size that the median is taken over
 MIN_SAMPLES = 3  # steps of one size before its own mean is trusted over the fitted line
 REFRESH = 16  # observations between recomputations of the cost table
 DECAY = 0.85  # per verification: older outcomes fade, so a request's acceptance can change
+# a step of m tokens timed above SPIKE x m one-token steps is not its cost but a stall (a thread
+# descheduled at a barrier on a busy machine, a first call's allocations): ignored
+SPIKE = 2.0
+# observations after which a sample is forgotten: a size measured while the machine was busy
+# would otherwise look dear for as long as it is not tried again, and a dear size is not tried
+# again (a forgotten size falls back to the line through the fresh ones, then the prior)
+HORIZON = 400
 
 
 def _low(q) -> float:
@@ -31,34 +38,56 @@ def _low(q) -> float:
 
 class StepCosts:
     """Seconds of a decode step by its tokens M: the lower quartile of the last WINDOW steps
-    of each size (robust to the spikes a shared machine adds to some steps)."""
+    of each size (robust to the spikes a shared machine adds to some steps), of those within
+    the last HORIZON observations and not stalls (see ``_sized``)."""
 
     def __init__(self, window: int = WINDOW, prior_slope: float = PRIOR_SLOPE, floor_slope: float = 0.0):
-        self.samples: dict[int, deque[float]] = {}
+        self.samples: dict[int, deque[tuple[int, float]]] = {}  # size -> (observation number, seconds)
+        self._n = 0  # observations so far
         self.window, self.prior_slope, self.floor_slope = window, prior_slope, floor_slope
         self._known: dict[int, float] = {}  # t(m) computed since the last observation
         self._fit: tuple[float, float] | None = None
+        self._clean: dict[int, list[float]] | None = None  # _sized(), as of the last recomputation
         self._seen = 0  # observations since t(m) was last computed
+
+    def _sized(self) -> dict[int, list[float]]:
+        """Each size's samples of the last HORIZON observations, without the stalls: once
+        one-token steps are known (t1,
+        their lower quartile), a sample of m tokens above SPIKE x m x t1 says nothing of what
+        m tokens cost (no step of m tokens costs more than m one-token steps, bar overheads), so
+        it is left out; it would otherwise hold t(m) up for as long as m is not tried again,
+        and a size that looks too dear is not tried again."""
+        old = self._n - HORIZON
+        fresh = {m: [x for n, x in q if n > old] for m, q in self.samples.items()}
+        q1 = fresh.get(1)
+        t1 = _low(q1) if q1 is not None and len(q1) >= MIN_SAMPLES else None
+        out = {}
+        for m, q in fresh.items():
+            kept = q if t1 is None or m == 1 else [x for x in q if x <= SPIKE * m * t1]
+            if kept:
+                out[m] = kept
+        return out
 
     @property
     def mean(self) -> dict[int, float]:
-        return {m: _low(q) for m, q in self.samples.items()}
+        return {m: _low(q) for m, q in self._sized().items()}
 
     @property
     def count(self) -> dict[int, int]:
-        return {m: len(q) for m, q in self.samples.items()}
+        return {m: len(q) for m, q in self._sized().items()}
 
     def observe(self, m: int, seconds: float) -> None:
         q = self.samples.get(m)
         if q is None:
             q = self.samples[m] = deque(maxlen=self.window)
-        q.append(seconds)
+        self._n += 1
+        q.append((self._n, seconds))
         self._seen += 1
         # t(m) is computed again after a new size, while a size gathers its first samples, or
         # every REFRESH steps: the costs change slowly, and decode steps come every millisecond
         if len(q) <= MIN_SAMPLES or self._seen >= REFRESH:
             self._known.clear()
-            self._fit = None
+            self._fit = self._clean = None
             self._seen = 0
 
     def __call__(self, m: int) -> float:
@@ -73,14 +102,16 @@ class StepCosts:
         k climbs to sizes whose cost is known (doubling) rather than jumping on an extrapolation."""
         t = self._known.get(m)
         if t is None:
-            q = self.samples.get(m)
+            if self._clean is None:
+                self._clean = self._sized()
+            q = self._clean.get(m)
             if q is not None and len(q) >= MIN_SAMPLES:
                 t = _low(q)
             else:
                 if self._fit is None:
                     self._fit = self._line()
                 a, b = self._fit
-                top = 2 * max(self.samples, default=1)
+                top = 2 * max(self._clean, default=1)
                 if m <= top:
                     t = max(1e-9, a + b * (m - 1))
                 else:  # past twice the largest size measured: a step may grow faster than the small ones
@@ -93,7 +124,7 @@ class StepCosts:
 
     def _line(self) -> tuple[float, float]:
         """(t(1), slope) of the weighted least-squares line through the measured means."""
-        pts = [(x - 1.0, _low(q), float(min(len(q), 10))) for x, q in self.samples.items()]
+        pts = [(x - 1.0, _low(q), float(min(len(q), 10))) for x, q in self._clean.items()]
         if not pts:
             return 1.0, self.prior_slope
         if len(pts) == 1:
