@@ -45,7 +45,7 @@ class BenchResult:
     model: str
     decode: str  # "greedy" or "random" decode input
     quant: str
-    threads: int
+    threads: int  # the most the kernels may use
     prompt_tokens: int
     gen_tokens: int
     repeats: int
@@ -59,6 +59,7 @@ class BenchResult:
     bandwidth_bytes_s: float  # memory read bandwidth with the same threads: the median of the runs' probes
     roofline_tok_s: float  # bandwidth / (weight_bytes_per_token + kv_bytes_read_per_token)
     runs: list[RunResult] = field(default_factory=list)
+    threads_in_use: int = 0  # at the end: fewer than threads while the machine was too busy (coli/threads.py)
 
     def median(self, key: str) -> float:
         return statistics.median(getattr(r, key) for r in self.runs)
@@ -177,7 +178,7 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
         resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token, kv_bytes_per_token_expanded=expanded,
         peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, kv_bytes_read_per_token=kv_read,
-        bandwidth_bytes_s=bw, roofline_tok_s=bw / (per_token + kv_read), runs=runs)
+        bandwidth_bytes_s=bw, roofline_tok_s=bw / (per_token + kv_read), runs=runs, threads_in_use=eng.threads_in_use)
 
 
 def weight_bytes_per_token(model) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
 from coli.models.base import Batch, DecoderLM, RunState
+from coli.threads import ThreadGovernor, enabled
 
 
 def default_threads() -> int:
@@ -154,12 +155,15 @@ class Engine:
     """Owns a built model and its run state; ``step`` runs one batched forward pass."""
 
     def __init__(self, model: DecoderLM, *, threads: int | None = None, max_context: int | None = None,
-                 weights=None):
+                 weights=None, adaptive_threads: bool | None = None):
         self.model = model
         self.weights = weights
         self.cfg = model.cfg
-        self.threads = threads or default_threads()
+        self.threads = threads or default_threads()  # the most the kernels use
         K.set_num_threads(self.threads)
+        # fewer while the machine is too busy for all of them (coli/threads.py)
+        self.governor = ThreadGovernor(self.threads, K.set_num_threads) \
+            if self.threads > 1 and (enabled() if adaptive_threads is None else adaptive_threads) else None
         self.max_context = max_context or self.cfg.max_position_embeddings
         self.run_state = RunState()
         attn = model.layers[0].attn
@@ -170,6 +174,12 @@ class Engine:
             sum(q.nbytes for q in m.table.get(e)) for m in model.moe_layers if m.table is not None
             for e in range(m.E)) if weights is None or getattr(weights, "store", None) is None else 0
         self._dense_bytes = _dense_bytes(model)
+
+    @property
+    def threads_in_use(self) -> int:
+        """The kernel threads the next step uses: ``threads``, or fewer while the governor
+        finds the machine too busy for all of them."""
+        return self.governor.active if self.governor is not None else self.threads
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         return KVCache(self.cfg.num_hidden_layers, self._kw, self._vw, capacity)
@@ -194,10 +204,15 @@ class Engine:
         else:
             batch, rows = self._batch(entries, all_logits)
         n = len(batch.ids)
+        gov = self.governor
+        if gov is not None and K.get_num_threads() != gov.active:  # another engine in this process set its own
+            K.set_num_threads(gov.active)
         ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
         logits = self.model.forward(batch, self.run_state, rows)
         wall = time.perf_counter() - t0
+        if gov is not None:
+            gov.observe(n, wall)
         for cache, toks in entries:
             cache.tokens.extend(int(t) for t in toks)
         ph, io1 = self.model.phases, self.io_stats()

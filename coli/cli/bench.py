@@ -98,7 +98,8 @@ def bench(
             d["speculative"] = spec
         typer.echo(json.dumps(d, indent=1))
         return
-    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads · {res.simd}"
+    used = f" ({res.threads_in_use} in use: the machine is busy)" if res.threads_in_use != res.threads else ""
+    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads{used} · {res.simd}"
                     + (" · random decode input" if decode == "random" else ""))
     t.add_column("metric")
     t.add_column("median", justify="right")

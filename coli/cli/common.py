@@ -30,7 +30,8 @@ ModelOpt = Annotated[Optional[str], typer.Option(
          "(ORG/MODEL). Default: $COLI_MODEL, else the built-in model.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", envvar="COLI_THREADS", show_envvar=True, min=1,
-    help="Compute threads. Default: the usable cores.")]
+    help="Compute threads: the most the kernels use (fewer while a busy machine makes fewer faster; "
+         "COLI_ADAPTIVE_THREADS=0 keeps exactly this many). Default: the usable cores.")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")]
 TemperatureOpt = Annotated[Optional[float], typer.Option(
     "--temperature", min=0.0, help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0.")]

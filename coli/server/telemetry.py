@@ -75,7 +75,8 @@ class Telemetry:
                 "model": s.model_id, "context": s.runner.ctx, "uptime_seconds": round(time.time() - self.started, 3),
                 "memory": {"dense_bytes": tiers["dense"], "experts_pinned_bytes": tiers["pinned"],
                            "experts_ram_bytes": tiers["cached"], "experts_disk_bytes": tiers["disk"]},
-                "hardware": {"threads": engine.threads, "cpus": os.cpu_count(), "simd": _simd()},
+                "hardware": {"threads": engine.threads, "threads_in_use": engine.threads_in_use,
+                             "cpus": os.cpu_count(), "simd": _simd()},
             })
             if getattr(s.model, "plan", None) is not None:  # the memory plan it was loaded with (coli.plan)
                 body["plan"] = s.model.plan.as_dict()

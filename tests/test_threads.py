@@ -1,0 +1,172 @@
+"""The thread governor: fewer kernel threads while the machine is too busy for all of them,
+all of them again when it is not (coli/threads.py), and an engine whose results do not
+depend on which."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+
+import coli
+from coli import synthetic
+from coli._engine import kernels as K
+from coli.threads import FIRST_AFTER, MAX_AFTER, WINDOW, ThreadGovernor, enabled
+
+
+class Machine:
+    """Step times by thread count; ``busy`` switches to the times of a machine whose cores
+    are taken by other work (more threads: far slower, every barrier waits for a core)."""
+
+    def __init__(self, quiet: dict[int, float], busy: dict[int, float]):
+        self.quiet, self.busy_times, self.busy = quiet, busy, False
+        self.n = max(quiet)
+        self.history: list[int] = []
+
+    def set(self, n: int) -> None:
+        self.n = n
+
+    def run(self, gov: ThreadGovernor, steps: int, tokens: int = 1) -> None:
+        for _ in range(steps):
+            t = (self.busy_times if self.busy else self.quiet)[self.n]
+            self.history.append(self.n)
+            gov.observe(tokens, t * tokens)
+
+
+def governed(quiet, busy, max_threads=2):
+    m = Machine(quiet, busy)
+    return m, ThreadGovernor(max_threads, m.set)
+
+
+QUIET = {2: 0.009, 1: 0.015}  # two threads 1.6x faster than one
+BUSY = {2: 0.5, 1: 0.05}  # two threads 10x slower than one: every barrier waits for a time slice
+
+
+def test_a_quiet_machine_keeps_every_thread_and_tries_fewer_ever_more_rarely():
+    m, gov = governed(QUIET, BUSY)
+    m.run(gov, 20000)
+    assert gov.n == 2 and gov.switches == 0
+    assert m.history.count(1) < 0.01 * len(m.history)  # the trials' cost
+    assert gov.after == MAX_AFTER  # each lost trial doubled the wait
+    assert gov.trials <= 1 + (20000 - FIRST_AFTER) // FIRST_AFTER
+
+
+def test_a_machine_that_gets_busy_goes_to_one_thread_within_a_few_windows():
+    m, gov = governed(QUIET, BUSY)
+    m.run(gov, 100)
+    m.busy = True
+    m.run(gov, 3 * WINDOW)  # the stall shows in the first slow window: a trial, then the switch
+    assert gov.n == 1 and gov.switches == 1
+    m.run(gov, 2000)
+    assert gov.n == 1
+    # trials of two threads again are abandoned at their first (slow) step, ever more rarely
+    tried = m.history[100 + 3 * WINDOW:].count(2)
+    assert 0 < tried <= gov.trials and tried < 12
+
+
+def test_busy_from_the_start_is_found_by_the_first_trial():
+    m, gov = governed(QUIET, BUSY)
+    m.busy = True
+    m.run(gov, FIRST_AFTER + 2 * WINDOW)
+    assert gov.n == 1
+
+
+def test_when_the_machine_is_quiet_again_every_thread_comes_back():
+    m, gov = governed(QUIET, BUSY)
+    m.busy = True
+    m.run(gov, FIRST_AFTER + 2 * WINDOW)
+    assert gov.n == 1
+    m.busy = False
+    m.run(gov, 200)
+    assert gov.n == 2 and gov.switches == 2
+
+
+def test_steps_that_slow_down_for_other_reasons_do_not_keep_trials_coming():
+    """A growing context makes every step dearer whatever the threads: after one lost trial
+    that pace is the norm, so the stall check does not fire every window."""
+    m, gov = governed({2: 0.009, 1: 0.015}, {2: 0.03, 1: 0.05})  # 3.3x slower, threads still pay
+    m.run(gov, 100)
+    m.busy = True
+    m.run(gov, 1000)
+    assert gov.n == 2 and gov.trials <= 3
+
+
+def test_prefill_chunks_are_not_timed():
+    m, gov = governed(QUIET, BUSY)
+    m.busy = True
+    m.run(gov, 5000, tokens=256)
+    assert gov.trials == 0 and not gov.recent
+
+
+def test_one_thread_and_the_switch_off():
+    gov = ThreadGovernor(1, lambda n: pytest.fail("one thread has nothing to change"))
+    for _ in range(1000):
+        gov.observe(1, 0.01)
+    assert not enabled({"COLI_ADAPTIVE_THREADS": "0"}) and enabled({}) and enabled({"COLI_ADAPTIVE_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synthetic.write_converted("tiny", tmp_path_factory.mktemp("threads") / "tiny-int4", "int4", seed=0)
+
+
+def test_engine_logits_do_not_depend_on_the_threads_the_governor_picks(tiny, monkeypatch):
+    m = coli.load(tiny, threads=2)
+    eng = m.engine
+    assert eng.governor is not None and eng.threads_in_use == 2
+    runs = []
+    for n in (2, 1, 2):  # what the governor may do between steps
+        eng.governor.n = n
+        cache = eng.new_cache(64)
+        out = [eng.step([(cache, list(range(2, 20)))]).copy()]
+        assert K.get_num_threads() == n
+        for tok in (3, 5, 7):
+            out.append(eng.step([(cache, [tok])]).copy())
+        runs.append(out)
+    for a, b in zip(runs[0], runs[1]):
+        np.testing.assert_array_equal(a, b)
+    m.close()
+    monkeypatch.setenv("COLI_ADAPTIVE_THREADS", "0")
+    m = coli.load(tiny, threads=2)
+    assert m.engine.governor is None and m.engine.threads_in_use == 2
+    m.close()
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux CPU affinity and 2 CPUs")
+def test_real_contention_moves_the_engine_to_one_thread(tiny):
+    """This process and four busy-looping processes share two CPUs (real processes, pinned):
+    two kernel threads then wait for each other at every barrier, and the governor finds that
+    one thread decodes faster. Bounded: at most ~20 s of decode steps."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    saved = os.sched_getaffinity(0)
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    hogs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(4)]
+    os.sched_setaffinity(0, cpus)
+    try:
+        m = coli.load(tiny, threads=2)
+        for h in hogs:
+            h.start()
+            os.sched_setaffinity(h.pid, cpus)
+        eng = m.engine
+        cache = eng.new_cache(4096)
+        eng.step([(cache, [2, 3, 4])])
+        t0 = time.perf_counter()
+        while eng.governor.n == 2 and time.perf_counter() - t0 < 20 and len(cache) < 4000:
+            eng.step([(cache, [5])])
+        assert eng.governor.n == 1, f"still {eng.governor.n} threads after {len(cache)} steps " \
+                                    f"({eng.governor.trials} trials)"
+        m.close()
+    finally:
+        stop.set()
+        for h in hogs:
+            h.join(5)
+        os.sched_setaffinity(0, saved)
