@@ -15,7 +15,8 @@ clearly faster:
   first, doubling up to MAX_AFTER while trials lose, so a quiet machine pays ~0.2% for them in
   the long run), and at once when a window of steps runs STALL times slower than the best
   window seen (the machine got busy);
-- with fewer: a trial of twice as many every UP_AFTER steps (doubling while trials lose),
+- with fewer: a trial of twice as many every UP_AFTER steps (doubling up to MAX_UP_AFTER
+  while trials lose),
   abandoned at its first step if that step alone is ABORT times the current pace, so a trial
   on a still-busy machine costs one slow step.
 
@@ -36,6 +37,7 @@ WINDOW = 8  # timed steps per measurement (the current pace and each trial)
 FIRST_AFTER = 256  # steps at the most threads before the first trial of fewer
 MAX_AFTER = 4096  # ... the longest wait between trials, after trials that lost
 UP_AFTER = 64  # steps with fewer threads before a trial of more
+MAX_UP_AFTER = 1024  # ... at most, so a machine that got quiet again is noticed within ~1000 steps
 STALL = 2.5  # a window this much slower than the best one seen at the same count: try fewer now
 BETTER = 1.3  # fewer threads are kept only when this much faster (more threads: when faster at all)
 ABORT = 4.0  # a trial step this much slower than the current pace ends the trial
@@ -119,7 +121,7 @@ class ThreadGovernor:
             self.after = FIRST_AFTER if n == self.max else UP_AFTER
             return
         self._set(self.n)  # back to the count in use; wait longer before the next trial
-        self.after = min(2 * self.after, MAX_AFTER)
+        self.after = min(2 * self.after, MAX_AFTER if self.n == self.max else MAX_UP_AFTER)
         # and take the pace as this count's norm: steps also get slower for reasons fewer
         # threads do not cure (a longer context), which must not trigger a trial every window
         self.best[self.n] = self._window()

@@ -13,7 +13,7 @@ import pytest
 import coli
 from coli import synthetic
 from coli._engine import kernels as K
-from coli.threads import FIRST_AFTER, MAX_AFTER, WINDOW, ThreadGovernor, enabled
+from coli.threads import FIRST_AFTER, MAX_AFTER, MAX_UP_AFTER, WINDOW, ThreadGovernor, enabled
 
 
 class Machine:
@@ -46,7 +46,10 @@ BUSY = {2: 0.5, 1: 0.05}  # two threads 10x slower than one: every barrier waits
 
 def test_a_quiet_machine_keeps_every_thread_and_tries_fewer_ever_more_rarely():
     m, gov = governed(QUIET, BUSY)
-    m.run(gov, 20000)
+    rng = np.random.default_rng(0)
+    for _ in range(20000):  # step times that vary by ~30% from step to step
+        m.history.append(m.n)
+        gov.observe(1, QUIET[m.n] * float(rng.lognormal(0.0, 0.3)))
     assert gov.n == 2 and gov.switches == 0
     assert m.history.count(1) < 0.01 * len(m.history)  # the trials' cost
     assert gov.after == MAX_AFTER  # each lost trial doubled the wait
@@ -64,6 +67,11 @@ def test_a_machine_that_gets_busy_goes_to_one_thread_within_a_few_windows():
     # trials of two threads again are abandoned at their first (slow) step, ever more rarely
     tried = m.history[100 + 3 * WINDOW:].count(2)
     assert 0 < tried <= gov.trials and tried < 12
+    m.run(gov, 20000)
+    assert gov.after == MAX_UP_AFTER  # but not so rarely that a quiet machine goes unnoticed for long
+    m.busy = False
+    m.run(gov, MAX_UP_AFTER + 2 * WINDOW)
+    assert gov.n == 2
 
 
 def test_busy_from_the_start_is_found_by_the_first_trial():
