@@ -10,6 +10,12 @@ The same workload runs twice: over HTTP against a `coli serve` subprocess (clien
 process, aiohttp, SSE parsed), and in-process through ``Runner.submit`` (no HTTP, no JSON).
 The difference in per-token time at concurrency 1 is the server's overhead per token.
 
+Also reported per level (Linux): the `coli serve` process's CPU time per generated token,
+from /proc: its busiest thread's (at --threads 1 the runner thread: the engine step,
+sampling, detokenization, event delivery) and every other thread's (the HTTP side: the
+event loop; with --threads > 1 also the OpenMP workers and their spinning). CPU time is
+far less disturbed by other processes on the machine than wall-clock tok/s.
+
     python benchmarks/bench_serve.py --model olmoe-mini --quant int4 --threads 1
 """
 from __future__ import annotations
@@ -97,6 +103,33 @@ def start_server(model: str, threads: int, slots: int) -> tuple[subprocess.Popen
     raise RuntimeError("coli serve did not start")
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` by thread id; empty
+    where /proc is not there."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_per_token(before: dict, after: dict, tokens: int) -> dict:
+    """ms of CPU per generated token: the busiest thread's (the runner's, at --threads 1),
+    and all the others' together."""
+    delta = sorted((after[k] - before.get(k, 0.0) for k in after), reverse=True) or [0.0]
+    return {"runner_cpu_ms_per_token": 1000 * delta[0] / max(tokens, 1),
+            "other_cpu_ms_per_token": 1000 * sum(delta[1:]) / max(tokens, 1)}
+
+
 # -- in-process -----------------------------------------------------------------------------------
 
 
@@ -163,10 +196,15 @@ def main() -> None:
                 rounds["inprocess"][lv].append(asyncio.run(run_inprocess(runner, model, lv, work, args.tokens,
                                                                          int_bias)))
                 work = prompts(1000 * r + lv + 500, lv, args.requests, args.prompt_words, vocab)
+                before = thread_cpu(proc.pid)
                 rounds["http"][lv].append(asyncio.run(run_http(url, lv, work, args.tokens, bias)))
+                rounds["http"][lv][-1].update(cpu_per_token(before, thread_cpu(proc.pid),
+                                                            rounds["http"][lv][-1]["tokens"]))
                 load.append(os.getloadavg()[0])
-                print(r, lv, "in-process", _fmt(rounds["inprocess"][lv][-1]), "| http", _fmt(rounds["http"][lv][-1]),
-                      flush=True)
+                h = rounds["http"][lv][-1]
+                print(r, lv, "in-process", _fmt(rounds["inprocess"][lv][-1]), "| http", _fmt(h),
+                      f"| serve CPU/token: busiest thread {h['runner_cpu_ms_per_token']:.2f} ms, "
+                      f"others {h['other_cpu_ms_per_token']:.2f} ms", flush=True)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -184,6 +222,11 @@ def main() -> None:
             m = med[mode][lv]
             print(f"| {lv} | {mode} | {m['ttft_p50_ms']:.0f} | {m['ttft_p95_ms']:.0f} | {m['stream_tok_s_p50']:.1f} | "
                   f"{m['aggregate_tok_s']:.1f} | {m['ms_per_token_p50']:.2f} |")
+    if "runner_cpu_ms_per_token" in med["http"][one]:
+        print("| clients | `coli serve` CPU ms per token: busiest thread | other threads |")
+        for lv in args.levels:
+            m = med["http"][lv]
+            print(f"| {lv} | {m['runner_cpu_ms_per_token']:.2f} | {m['other_cpu_ms_per_token']:.2f} |")
     print(json.dumps({k: results[k] for k in ("overhead_ms_per_token", "overhead_ttft_ms", "load_1min")}))
     if args.json:
         with open(args.json, "w") as f:
