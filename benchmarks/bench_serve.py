@@ -4,7 +4,13 @@ For each concurrency level (default 1, 4, 8) every client sends ``--requests`` s
 chat requests one after another, each with its own random prompt (no prefix reuse) and a
 fixed number of generated tokens (end-of-turn banned with logit_bias). Reported per level:
 TTFT p50/p95 (request sent -> first content token), per-stream decode tok/s (tokens after
-the first / time after the first) and aggregate tok/s (all tokens / wall time).
+the first / time after the first), aggregate tok/s (all tokens / wall time, prefill
+included) and aggregate decode tok/s (tokens after each stream's first / the time from the
+last stream's first token to the last token: with ``--requests 1`` every stream decodes
+at once there, so this is bench_scheduler.py's measure through HTTP; "x 1" is its ratio to
+the lowest level's):
+
+    python benchmarks/bench_serve.py --model DIR --threads 2 --levels 1 4 --tokens 128 --requests 1 --repeat 5
 
 The same workload runs twice: over HTTP against a `coli serve` subprocess (clients in this
 process, aiohttp, SSE parsed), and in-process through ``Runner.submit`` (no HTTP, no JSON).
@@ -49,8 +55,11 @@ def summarize(records: list[dict], wall: float) -> dict:
     rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in records if r["tokens"] > 1 and r["last"] > r["first"]]
     per_token = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in records)
+    # every stream decoding at once (prefill excluded, as bench_scheduler.py): meaningful with --requests 1
+    span = max(r["last"] for r in records) - max(r["first"] for r in records)
+    decode = sum(r["tokens"] - 1 for r in records) / span if span > 0 else float("nan")
     return {"ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p95_ms": 1000 * pct(ttft, 95),
-            "stream_tok_s_p50": pct(rates, 50), "aggregate_tok_s": tokens / wall,
+            "stream_tok_s_p50": pct(rates, 50), "aggregate_tok_s": tokens / wall, "decode_tok_s": decode,
             "ms_per_token_p50": 1000 * pct(per_token, 50), "requests": len(records), "tokens": tokens}
 
 
@@ -216,12 +225,14 @@ def main() -> None:
                "repeat": args.repeat, "load_1min": [min(load), max(load)], "median": med,
                "overhead_ms_per_token": med["http"][one]["ms_per_token_p50"] - med["inprocess"][one]["ms_per_token_p50"],
                "overhead_ttft_ms": med["http"][one]["ttft_p50_ms"] - med["inprocess"][one]["ttft_p50_ms"]}
-    print("| clients | mode | TTFT p50 ms | TTFT p95 ms | stream tok/s p50 | aggregate tok/s | ms/token p50 |")
+    print("| clients | mode | TTFT p50 ms | TTFT p95 ms | stream tok/s p50 | aggregate tok/s | ms/token p50 "
+          "| aggregate decode tok/s | x 1 |")
     for lv in args.levels:
         for mode in ("inprocess", "http"):
             m = med[mode][lv]
             print(f"| {lv} | {mode} | {m['ttft_p50_ms']:.0f} | {m['ttft_p95_ms']:.0f} | {m['stream_tok_s_p50']:.1f} | "
-                  f"{m['aggregate_tok_s']:.1f} | {m['ms_per_token_p50']:.2f} |")
+                  f"{m['aggregate_tok_s']:.1f} | {m['ms_per_token_p50']:.2f} | {m['decode_tok_s']:.1f} | "
+                  f"{m['decode_tok_s'] / med[mode][one]['decode_tok_s']:.2f}x |")
     if "runner_cpu_ms_per_token" in med["http"][one]:
         print("| clients | `coli serve` CPU ms per token: busiest thread | other threads |")
         for lv in args.levels:
@@ -234,7 +245,8 @@ def main() -> None:
 
 
 def _fmt(m: dict) -> str:
-    return f"ttft {m['ttft_p50_ms']:.0f}/{m['ttft_p95_ms']:.0f} ms, {m['aggregate_tok_s']:.1f} tok/s"
+    return (f"ttft {m['ttft_p50_ms']:.0f}/{m['ttft_p95_ms']:.0f} ms, {m['aggregate_tok_s']:.1f} tok/s, "
+            f"decode {m['decode_tok_s']:.1f} tok/s")
 
 
 if __name__ == "__main__":
