@@ -351,3 +351,6 @@ def test_batched_delivery_wakes_each_reader_once_at_the_end():
         assert not woke.wait(0.2)  # a blocked thread reader too waits for the block's end
     assert woke.wait(WAIT)
     t.join()
+    assert h.poll() is None  # poll: the next queued event, never waiting
+    h.put(TextDelta("y"))
+    assert h.poll().text == "y" and h.poll() is None

@@ -132,6 +132,11 @@ class RequestHandle:
             self._done = True
         return ev
 
+    def poll(self) -> Event | None:
+        """The next event if one is queued, else None; never waits."""
+        with self._cond:
+            return self._pop() if self._items else None
+
     def __iter__(self) -> Iterator[Event]:
         return self.events()
 
