@@ -8,10 +8,10 @@
     runner.close()
 
 Each loop turn is ``schedule() -> engine.step -> sample, detokenize, stop strings
--> update_from_output``; the turn's events wake their readers together when it ends
-(``coli.scheduler.stream.batched_delivery``). The runner owns the KV caches (one per slot), restores
-them from disk at start and saves a slot whenever a request releases it. Front
-ends render prompts to token ids themselves (``Model.prompt_ids``).
+-> update_from_output``; the turn's events wake their asyncio readers together when
+it ends (``coli.scheduler.stream.batched_delivery``). The runner owns the KV caches
+(one per slot), restores them from disk at start and saves a slot whenever a request
+releases it. Front ends render prompts to token ids themselves (``Model.prompt_ids``).
 """
 from __future__ import annotations
 
@@ -356,7 +356,7 @@ class Runner:
                         return
                     sched.wait_for_work(timeout=1.0)
                     continue
-                with batched_delivery():  # the step's events wake their readers once, after it
+                with batched_delivery():  # the step's events wake each asyncio loop once, after it
                     try:
                         ended = self._step(plan)
                     except Exception as e:  # the engine failed: the requests of this step fail, others go on

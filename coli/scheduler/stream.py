@@ -5,9 +5,11 @@ handle`` (aiohttp, Textual workers) or ``for ev in handle`` (pipes, tests). The
 stream ends after its ``Finished`` or ``Error`` event.
 
 Inside ``batched_delivery()`` (the runner wraps each engine step in it) the events a
-thread puts are queued at once but their readers are woken only when the block ends:
-once per reader, and with one call into each asyncio loop for all of its readers,
-however many events and requests the step produced.
+thread puts are queued at once, and a reading thread wakes at once as elsewhere, but the
+asyncio readers are woken only when the block ends: with one call into each loop for all
+of its readers, however many events and requests the step produced (each call writes to
+the loop's wake-up pipe, and each wake-up of the loop takes the GIL from the engine's
+thread).
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ _deferred = threading.local()  # .handles: {handle: None} whose readers this thr
 
 @contextmanager
 def batched_delivery():
-    """Defer the wake-ups of the events this thread puts until the block ends (see the
-    module docstring); nested blocks wake at the outermost one's end."""
+    """Defer the asyncio readers' wake-ups of the events this thread puts until the block
+    ends (see the module docstring); nested blocks wake at the outermost one's end."""
     if getattr(_deferred, "handles", None) is not None:
         yield
         return
@@ -45,7 +47,6 @@ def _wake(handles) -> None:
     loops: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
     for h in handles:
         with h._cond:
-            h._cond.notify_all()
             if h._loop is not None:
                 loops.setdefault(h._loop, []).append(h._ready)
     for loop, readies in loops.items():
@@ -113,10 +114,11 @@ class RequestHandle:
                 return
             self._items.append(event)
             self._ended = isinstance(event, (Finished, Error))
-            if deferred is not None:  # batched_delivery: woken at the end of the block
-                deferred[self] = None
+            self._cond.notify_all()  # a reading thread wakes at once
+            if deferred is not None:  # batched_delivery: an asyncio reader at the end of the block
+                if self._loop is not None:
+                    deferred[self] = None
                 return
-            self._cond.notify_all()
             loop, ready = self._loop, self._ready
         if loop is not None:
             try:
