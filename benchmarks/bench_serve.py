@@ -56,8 +56,9 @@ def summarize(records: list[dict], wall: float) -> dict:
     per_token = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in records)
     # every stream decoding at once (prefill excluded, as bench_scheduler.py): meaningful with --requests 1
-    span = max(r["last"] for r in records) - max(r["first"] for r in records)
-    decode = sum(r["tokens"] - 1 for r in records) / span if span > 0 else float("nan")
+    timed = [r for r in records if r["first"] is not None and r["last"] is not None]
+    span = max(r["last"] for r in timed) - max(r["first"] for r in timed) if timed else 0.0
+    decode = sum(r["tokens"] - 1 for r in timed) / span if span > 0 else float("nan")
     return {"ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p95_ms": 1000 * pct(ttft, 95),
             "stream_tok_s_p50": pct(rates, 50), "aggregate_tok_s": tokens / wall, "decode_tok_s": decode,
             "ms_per_token_p50": 1000 * pct(per_token, 50), "requests": len(records), "tokens": tokens}
