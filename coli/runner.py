@@ -8,9 +8,10 @@
     runner.close()
 
 Each loop turn is ``schedule() -> engine.step -> sample, detokenize, stop strings
--> update_from_output``. The runner owns the KV caches (one per slot), restores
-them from disk at start and saves a slot whenever a request releases it. Front
-ends render prompts to token ids themselves (``Model.prompt_ids``).
+-> update_from_output``; the turn's events wake their asyncio readers together when
+it ends (``coli.scheduler.stream.batched_delivery``). The runner owns the KV caches
+(one per slot), restores them from disk at start and saves a slot whenever a request
+releases it. Front ends render prompts to token ids themselves (``Model.prompt_ids``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from coli.sampling import Sampler, SamplingParams, logprobs as log_softmax
 from coli.scheduler.core import Request, Scheduler, SchedulerConfig, SeqOutput, Status, StepPlan
 from coli.scheduler.events import (ContextLengthExceededError, Error, Finished, GrammarDeadEndError, Profile,
                                    PromptLogprobs, Routing, Started, TextDelta, TokenLogprob, Usage)
-from coli.scheduler.stream import RequestHandle
+from coli.scheduler.stream import RequestHandle, batched_delivery
 from coli.speculate import Speculator
 from coli.stops import StopMatcher
 from coli.tokenizer import IncrementalDetokenizer
@@ -355,11 +356,12 @@ class Runner:
                         return
                     sched.wait_for_work(timeout=1.0)
                     continue
-                try:
-                    ended = self._step(plan)
-                except Exception as e:  # the engine failed: the requests of this step fail, others go on
-                    log.exception("engine step failed")
-                    ended = sched.fail_step(plan, f"{type(e).__name__}: {e}")
+                with batched_delivery():  # the step's events wake each asyncio loop once, after it
+                    try:
+                        ended = self._step(plan)
+                    except Exception as e:  # the engine failed: the requests of this step fail, others go on
+                        log.exception("engine step failed")
+                        ended = sched.fail_step(plan, f"{type(e).__name__}: {e}")
                 self._save(ended)
         except BaseException as e:  # a bug in the loop itself: no request may wait forever
             log.exception("the runner stopped")
@@ -456,7 +458,8 @@ class Runner:
 
     def _sample(self, req: Request, logits, tok: int | None = None) -> SeqOutput:
         """The request's next token from its logits row (V,), or ``tok`` when the step already
-        picked it (``_greedy_picks``); then end of turn, logprobs, text and stop strings."""
+        picked it (``_greedy_picks``, logit_bias included); then end of turn, logprobs, text
+        and stop strings."""
         g = req.payload
         raw, forced = logits, ()
         if g.guided is not None:  # a constraint picks (coli.grammar): the batch's argmax ignored its mask
@@ -546,14 +549,25 @@ class Runner:
 
 
 def _greedy_picks(plan: StepPlan, logits: np.ndarray) -> list[int] | None:
-    """Every entry's argmax, when each entry that samples is plain greedy (no bias): one
-    pass over the step's logits (entries, V) picks what each Sampler.sample would. None
-    otherwise: each request samples its own row."""
+    """Every entry's argmax, when each entry that samples is plain greedy: one pass over
+    the step's logits (entries, V) picks what each Sampler.sample would. A request's
+    logit_bias is added to its row for that pass and taken off again (the same float32
+    sums as the biased copy that ``_sample`` makes, so the same pick; ``logits`` comes
+    back unchanged for logprobs). None otherwise: each request samples its own row."""
     sampling = [s.request.payload for s in plan.seqs if s.sample]
     # (a constrained entry picks under its mask and ignores its argmax)
-    if not sampling or not all(g.guided is not None or (g.sampler.is_greedy and g.bias is None) for g in sampling):
+    if not sampling or not all(g.guided is not None or g.sampler.is_greedy for g in sampling):
         return None
-    return logits.argmax(axis=1).tolist()  # (entries,): ties go to the lowest id, as greedy()
+    biased = [(i, g.bias) for i, s in enumerate(plan.seqs)
+              if s.sample and (g := s.request.payload).guided is None and g.bias is not None]
+    saved = [logits[i, ids].copy() for i, (ids, _) in biased]  # (n_ids,) each
+    for i, (ids, values) in biased:
+        logits[i, ids] += values
+    try:
+        return logits.argmax(axis=1).tolist()  # (entries,): ties go to the lowest id, as greedy()
+    finally:
+        for (i, (ids, _)), old in zip(biased, saved):
+            logits[i, ids] = old
 
 
 def _token_logprob(logits, tok: int, n: int) -> TokenLogprob:

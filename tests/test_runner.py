@@ -165,8 +165,9 @@ def test_seeded_sampling_is_reproducible_under_batching(model, runner):
 
 def test_batched_greedy_picks_equal_each_samplers_own(model, runner, monkeypatch):
     """A step whose sampling entries are all plain greedy takes one argmax over its logits
-    instead of a Sampler call per request: the events are the same either way, and a step
-    with a biased or sampling request samples each row itself."""
+    (a request's logit_bias added to its row for it) instead of a Sampler call per request:
+    the events are the same either way, and a step with a sampling request samples each row
+    itself."""
     greedy = SamplingParams(temperature=0)
     prompts = [ids(model, p) for p in PROMPTS]
 
@@ -183,11 +184,16 @@ def test_batched_greedy_picks_equal_each_samplers_own(model, runner, monkeypatch
     fast = run(sampling=greedy)
     assert batched and all(p is not None for p in batched)
     batched.clear()
-    mixed = run(sampling=greedy, logit_bias={5: 0.5})
-    assert batched and all(p is None for p in batched)  # the biased request samples every step itself
+    bias = {5: 0.5, 7: 30.0}  # token 7 wins every step
+    biased = run(sampling=greedy, logit_bias=bias)
+    assert batched and all(p is not None for p in batched)  # the biased request is picked with the others
+    batched.clear()
+    mixed = run(sampling=SamplingParams(temperature=1.0, seed=3))
+    assert batched and all(p is None for p in batched)  # the sampling request samples every step itself
     monkeypatch.setattr(coli.runner, "_greedy_picks", lambda *a: None)
     assert fast == run(sampling=greedy)
-    assert mixed[:3] == fast[:3]
+    assert biased == run(sampling=greedy, logit_bias=bias)
+    assert biased[3] != fast[3] and biased[:3] == fast[:3] == mixed[:3]
 
 
 def test_refusals_are_raised_at_submit(model, runner):
@@ -296,3 +302,54 @@ def test_result_gathers_the_answer_and_when_its_first_and_last_events_came():
     for ev in (Started(0, 1, 0, 0.0, 1), Finished("stop")):
         plain.put(ev)
     assert plain.result(WAIT).timings is None  # only when asked
+
+
+def test_batched_delivery_wakes_each_reader_once_at_the_end():
+    """Inside batched_delivery the events are queued but no asyncio reader is woken; at its
+    end the readers of one loop wake through one call into it. A reading thread wakes at once."""
+    import threading
+
+    from coli.scheduler.core import Request
+    from coli.scheduler.stream import RequestHandle, batched_delivery
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        hs = [RequestHandle(Request([1], 2), lambda req: False) for _ in range(3)]
+        readers = [loop.create_task(h.__anext__()) for h in hs]
+        await asyncio.sleep(0)  # each reader now waits on its handle
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: calls.append(a[0]) or real(*a)
+
+        def engine():
+            with batched_delivery():
+                for h in hs:
+                    h.put(TextDelta("a"))
+                    h.put(TextDelta("b"))
+                with batched_delivery():  # nested: still woken at the outer block's end
+                    hs[0].put(TextDelta("c"))
+                assert calls == [] and not any(r.done() for r in readers)
+            hs[1].put(TextDelta("d"))  # outside the block: woken at once, as before
+
+        t = threading.Thread(target=engine)
+        t.start()
+        await asyncio.to_thread(t.join)
+        got = [await r for r in readers]
+        rest = [[h._items.popleft().text for _ in range(len(h._items))] for h in hs]
+        wakes = [f for f in calls if getattr(f, "__self__", None) in [h._ready for h in hs] or f.__name__ == "_set_all"]
+        return wakes, got, rest
+
+    wakes, got, rest = asyncio.run(main())
+    assert len(wakes) == 2  # the block's one call for three readers, then the plain put's own
+    assert [e.text for e in got] == ["a", "a", "a"] and rest == [["b", "c"], ["b", "d"], ["b"]]
+    h = RequestHandle(Request([1], 2), lambda req: False)
+    woke = threading.Event()
+    t = threading.Thread(target=lambda: (next(h.events(WAIT)), woke.set()))
+    t.start()
+    with batched_delivery():
+        h.put(TextDelta("x"))
+        assert woke.wait(WAIT)  # a blocked reading thread is not deferred
+    t.join()
+    assert h.poll() is None  # poll: the next queued event, never waiting
+    h.put(TextDelta("y"))
+    assert h.poll().text == "y" and h.poll() is None

@@ -3,6 +3,13 @@
 The engine thread puts events; a front end reads them with ``async for ev in
 handle`` (aiohttp, Textual workers) or ``for ev in handle`` (pipes, tests). The
 stream ends after its ``Finished`` or ``Error`` event.
+
+Inside ``batched_delivery()`` (the runner wraps each engine step in it) the events a
+thread puts are queued at once, and a reading thread wakes at once as elsewhere, but the
+asyncio readers are woken only when the block ends: with one call into each loop for all
+of its readers, however many events and requests the step produced (each call writes to
+the loop's wake-up pipe, and each wake-up of the loop takes the GIL from the engine's
+thread).
 """
 from __future__ import annotations
 
@@ -11,10 +18,47 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from coli.scheduler.core import Request
 from coli.scheduler.events import Error, Event, Finished, Profile, SchedulerError, Started, TextDelta, Usage
+
+
+_deferred = threading.local()  # .handles: {handle: None} whose readers this thread wakes at the block's end
+
+
+@contextmanager
+def batched_delivery():
+    """Defer the asyncio readers' wake-ups of the events this thread puts until the block
+    ends (see the module docstring); nested blocks wake at the outermost one's end."""
+    if getattr(_deferred, "handles", None) is not None:
+        yield
+        return
+    _deferred.handles = {}
+    try:
+        yield
+    finally:
+        handles, _deferred.handles = _deferred.handles, None
+        _wake(handles)
+
+
+def _wake(handles) -> None:
+    loops: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for h in handles:
+        with h._cond:
+            if h._loop is not None:
+                loops.setdefault(h._loop, []).append(h._ready)
+    for loop, readies in loops.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, readies)
+        except RuntimeError:  # the readers' loop has closed
+            pass
+
+
+def _set_all(readies: list[asyncio.Event]) -> None:
+    for ready in readies:
+        ready.set()
 
 
 @dataclass(frozen=True)
@@ -64,12 +108,17 @@ class RequestHandle:
     # -- the engine side -------------------------------------------------------------------------
 
     def put(self, event: Event) -> None:
+        deferred = getattr(_deferred, "handles", None)
         with self._cond:
             if self._ended:
                 return
             self._items.append(event)
             self._ended = isinstance(event, (Finished, Error))
-            self._cond.notify_all()
+            self._cond.notify_all()  # a reading thread wakes at once
+            if deferred is not None:  # batched_delivery: an asyncio reader at the end of the block
+                if self._loop is not None:
+                    deferred[self] = None
+                return
             loop, ready = self._loop, self._ready
         if loop is not None:
             try:
@@ -84,6 +133,11 @@ class RequestHandle:
         if isinstance(ev, (Finished, Error)):
             self._done = True
         return ev
+
+    def poll(self) -> Event | None:
+        """The next event if one is queued, else None; never waits."""
+        with self._cond:
+            return self._pop() if self._items else None
 
     def __iter__(self) -> Iterator[Event]:
         return self.events()

@@ -102,7 +102,13 @@ class Generation:
         """(choice index, event) until every choice has ended; None after ``keepalive``
         seconds without an event (time for a keepalive frame)."""
         next_item = self._one() if len(self.handles) == 1 else self._merged()
+        poll = self.handles[0].poll if len(self.handles) == 1 else None
         while True:
+            ev = poll() if poll is not None else None  # queued already (a step's events come together):
+            if ev is not None:                         # no timer to arm and cancel for it
+                self._observe(0, ev)
+                yield 0, ev
+                continue
             try:
                 if keepalive:
                     async with asyncio.timeout(keepalive):
