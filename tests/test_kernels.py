@@ -417,9 +417,10 @@ def test_head_matmul(M, nh, a, b):
 
 @pytest.mark.parametrize("nh,nkv,hd", [(2, 1, 64), (8, 2, 128), (6, 3, 72), (5, 5, 40)])
 def test_attention_threads_bit_identical(nh, nkv, hd):
-    """One row split into head ranges (2 threads) or not (1 thread): the same bits, whether a
-    misaligned KV group is read directly (a lone head) or realigned first (several heads)."""
-    cap, pos = 50, np.array([49], np.int32)
+    """One row of three 64-key chunks, computed apart and merged (2 threads) or in turn (1
+    thread): the same bits, whether a misaligned KV group is read directly (a lone head) or
+    realigned first (several heads)."""
+    cap, pos = 150, np.array([149], np.int32)
     kc, vc = at_offset((cap, nkv * hd), 4), at_offset((cap, nkv * hd), 8)
     kc[:], vc[:] = rand(cap, nkv * hd), rand(cap, nkv * hd)
     kptr, vptr = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
@@ -431,6 +432,38 @@ def test_attention_threads_bit_identical(nh, nkv, hd):
         K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (10, 2, 40, 40, 0), (16, 2, 72, 72, 0),
+                                                   (4, 4, 64, 48, 0), (3, 1, 20, 36, 0), (8, 1, 576, 512, 576)])
+@pytest.mark.parametrize("window", [0, 70])
+def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
+    """Rows on both sides of the 64-key chunk boundaries, each alone (at 2 threads its chunks
+    are computed apart, then merged after a barrier) and all in one call (one work item per
+    run of heads, walking its chunks in turn): the same bits, and the reference's values.
+    KV groups of 5 and 8 heads run as 4 + 1 and 4 + 4; both caches sit off a 64-byte
+    boundary (several heads realign the rows they share)."""
+    cap = 334
+    pos = np.array([63, 64, 65, 127, 128, 200, 333], np.int32)
+    kw = v_stride if v_stride else nkv * hd
+    kc = at_offset((cap, kw), 4)
+    kc[:] = rand(cap, kw)
+    vc = kc if v_stride else at_offset((cap, nkv * vd), 8)
+    if not v_stride:
+        vc[:] = rand(cap, nkv * vd)
+    M = len(pos)
+    kptr, vptr = np.full(M, kc.ctypes.data, np.int64), np.full(M, vc.ctypes.data, np.int64)
+    q = rand(M, nh * hd)
+    batch = np.empty((M, nh * vd), np.float32)
+    K.attention(q, kptr, vptr, pos, batch, nh, nkv, hd, vd, 0.15, window, 0.0, v_stride)
+    for m in range(M):
+        alone = np.empty((1, nh * vd), np.float32)
+        K.attention(q[m : m + 1], kptr[:1], vptr[:1], pos[m : m + 1], alone, nh, nkv, hd, vd, 0.15, window, 0.0,
+                    v_stride)
+        np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row at position {pos[m]}")
+    ks = [kc[:, : nkv * hd].reshape(cap, nkv, hd)] * M
+    vs = [(kc[:, :vd] if v_stride else vc).reshape(cap, nkv, vd)] * M
+    np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 
 @pytest.mark.parametrize("nh,hd,vd", [(4, 24, 16), (16, 40, 32), (5, 576, 512)])
