@@ -126,6 +126,39 @@ def test_attention_front_equals_norm_rope_kv_write(norm, nh, nkv, hd, rot, unit_
     assert not any(c[i][l].any() for c in caches for i in range(2) for l in range(L) if l != layer)
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 4.0)])
+@pytest.mark.parametrize("norm", [None, "head"])
+def test_attention_front_with_out_equals_front_then_attention(window, softcap, norm):
+    """Given an output, attention_front also runs the attention (one call per layer): the
+    bits of attention_front and then attention, rows of two sequences, one chunk or several."""
+    nh, nkv, hd, L, layer, cap = 6, 2, 32, 2, 1, 150
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    qn, kn = (rand(hd), rand(hd)) if norm else (None, None)
+    pos = np.array([3, 70, 149, 0], np.int32)
+    seq = np.array([0, 0, 0, 1])
+    history = [rand(L, cap, nkv * hd) for _ in range(4)]  # k, v of two sequences
+    q, k, v = rand(4, nh * hd), rand(4, nkv * hd), rand(4, nkv * hd)
+    outs, caches = [], []
+    for fused in (False, True):
+        c = [h.copy() for h in history]
+        kptr = np.array([[c[2 * s].ctypes.data + l * c[0].strides[0] for s in seq] for l in range(L)])
+        vptr = np.array([[c[2 * s + 1].ctypes.data + l * c[0].strides[0] for s in seq] for l in range(L)])
+        front = K.AttentionFront(nh, nkv, hd, hd, inv, 1.0, norm, qn, kn, 1e-5, False, 0.2, window, softcap)
+        qq, kk, out = q.copy(), k.copy(), np.empty((4, nh * hd), np.float32)
+        if fused:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer, out)
+        else:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer)
+            K.attention(qq, kptr[layer], vptr[layer], pos, out, nh, nkv, hd, hd, 0.2, window, softcap)
+        outs.append(out)
+        caches.append(c)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    for a, b in zip(*caches):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="out must be"):
+        K.attention_front(front, q.copy(), k.copy(), v, pos, kptr, vptr, layer, np.empty((4, nh * hd - 1), np.float32))
+
+
 def test_attention_front_rejects_bad_shapes():
     inv = np.ones(4, np.float32)
     with pytest.raises(ValueError, match="norm weights"):

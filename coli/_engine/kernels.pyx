@@ -396,13 +396,17 @@ cdef class AttentionFront:
 
     norm: None; "head" (q_norm, k_norm (head_dim,) applied to every head); or "full"
     (q_norm (n_heads*head_dim,), k_norm (n_kv_heads*head_dim,) over the whole row).
-    eps and unit_offset as in rmsnorm."""
+    eps and unit_offset as in rmsnorm. scale (default head_dim ** -0.5), window and softcap:
+    the attention that attention_front runs after the front when given an output (see
+    attention)."""
     cdef qk_front f
-    cdef readonly int n_heads, n_kv_heads, head_dim, rot_dim
+    cdef readonly int n_heads, n_kv_heads, head_dim, rot_dim, window
+    cdef readonly float scale, softcap
     cdef readonly object norm, inv_freq, q_norm, k_norm
 
     def __init__(self, int n_heads, int n_kv_heads, int head_dim, int rot_dim, inv_freq, float scaling=1.0,
-                 norm=None, q_norm=None, k_norm=None, float eps=1e-6, bint unit_offset=False):
+                 norm=None, q_norm=None, k_norm=None, float eps=1e-6, bint unit_offset=False, scale=None,
+                 int window=0, float softcap=0.0):
         widths = {None: (0, 0), "head": (head_dim, head_dim), "full": (n_heads * head_dim, n_kv_heads * head_dim)}
         if n_heads <= 0 or n_kv_heads <= 0 or head_dim <= 0 or not 0 <= rot_dim <= head_dim:
             raise ValueError(f"AttentionFront: bad geometry ({n_heads}, {n_kv_heads}, {head_dim}, {rot_dim})")
@@ -422,6 +426,8 @@ cdef class AttentionFront:
         self.f.scaling, self.f.eps, self.f.off = scaling, eps, 1.0 if unit_offset else 0.0
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = n_heads, n_kv_heads, head_dim, rot_dim
         self.norm, self.inv_freq, self.q_norm, self.k_norm = norm, inv_freq, q_norm, k_norm
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
 
 
 cdef inline void _sumsq4(float **rows, int L, double *ss) noexcept nogil:
@@ -472,11 +478,15 @@ cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int 
         memcpy(vc + <long>pos * vw, v, vw * sizeof(float))
 
 
-def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
+def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, out=None):
     """Everything attention does to a step's new q, k, v before the scores, one row m at a
     time: the RMSNorm of q[m] and k[m] that ``front`` names, RoPE at position pos[m] (both
     in place), then k[m] and v[m] written into the layer's caches at kptr[layer, m] /
     vptr[layer, m] (see kv_write). Bit-identical to rmsnorm, rope and kv_write in turn.
+    With ``out`` (M, n_heads*head_dim) float32, the attention itself follows in the same
+    call, with the front's scale, window and softcap and values of head_dim floats:
+    bit-identical to ``attention(q, kptr[layer], vptr[layer], pos, out, ...)`` after it (one
+    call per layer instead of two).
 
     q (M, n_heads*head_dim), k (M, n_kv_heads*head_dim), v (M, any width) float32;
     pos (M,) int32; kptr, vptr (L, M) int64 (a Batch's), 0 <= layer < L."""
@@ -495,6 +505,11 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
         raise ValueError(f"attention_front: layer {layer} of {_dim(kptr, 0)}")
     kc += <long>layer * M
     vc += <long>layer * M
+    cdef att_call a
+    if out is not None:
+        a.out = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "attention_front: out")
+        if _dim(out, 0) != M or _dim(out, 1) != f.nh * f.hd or vw != kw:
+            raise ValueError("attention_front: out must be (M, n_heads*head_dim) and v as wide as k")
     cdef int nt = _team(<long>M * (f.nh + f.nkv) * f.hd * 2)
     with nogil:
         if nt == 1:
@@ -505,6 +520,13 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
             for m in prange(M, num_threads=nt, schedule='static'):
                 _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
                            <float *>kc[m], <float *>vc[m], kw, vw)
+    if out is None:
+        return
+    a.q, a.kptr, a.vptr, a.pos = qp, kc, vc, pp
+    a.nh, a.nkv, a.hd, a.vd, a.window = f.nh, f.nkv, f.hd, f.hd, front.window
+    a.vs = kw
+    a.scale, a.softcap = front.scale, front.softcap
+    _attend(&a, M)
 
 
 def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[::1] pos,
@@ -655,8 +677,7 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     a.vptr = <const int64_t *>_arr(vptr, cnp.NPY_INT64, 1, False, "attention: vptr")
     a.pos = <const int32_t *>_arr(pos, cnp.NPY_INT32, 1, False, "attention: pos")
     a.out = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "attention: out")
-    cdef int M = _dim(q, 0), m, units, nt, tid
-    cdef long idx, keys = 0, nitems
+    cdef int M = _dim(q, 0)
     if n_kv_heads <= 0 or n_heads % n_kv_heads != 0:
         raise ValueError("attention: n_heads must be a multiple of n_kv_heads")
     if head_dim <= 0 or v_head_dim <= 0:
@@ -665,41 +686,50 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
         raise ValueError("attention: shape mismatch")
     if _dim(kptr, 0) != M or _dim(vptr, 0) != M or _dim(pos, 0) != M:
         raise ValueError("attention: shape mismatch")
-    if M == 0:
-        return
     a.nh, a.nkv, a.hd, a.vd, a.window = n_heads, n_kv_heads, head_dim, v_head_dim, window
-    a.group = n_heads // n_kv_heads
-    a.nsb = (a.group + COLI_ATT_HB - 1) // COLI_ATT_HB
-    a.ks = <long>n_kv_heads * head_dim
     a.vs = v_stride if v_stride > 0 else <long>n_kv_heads * v_head_dim
     a.scale, a.softcap = scale, softcap
+    _attend(&a, M)
+
+
+cdef int _attend(att_call *a, int M) except -1:
+    """Run the attention that ``a`` describes (its pointers, geometry, vs, scale, window and
+    softcap set) for M rows: choose the work items and threads, then release the GIL."""
+    cdef int m, units, nt
+    cdef long idx, keys = 0, nitems
+    if M == 0:
+        return 0
+    a.group = a.nh // a.nkv
+    a.nsb = (a.group + COLI_ATT_HB - 1) // COLI_ATT_HB
+    a.ks = <long>a.nkv * a.hd
     a.maxch = 1
     for m in range(M):
         if a.pos[m] < 0:
             raise ValueError("attention: negative position")
-        keys += a.pos[m] + 1 - _att_start(&a, m)
-        a.maxch = max(a.maxch, (a.pos[m] + 1 - _att_start(&a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH)
-    units = n_kv_heads * a.nsb
-    nt = _team(keys * n_heads * (head_dim + v_head_dim) // 2)
-    if nt > 1 and a.maxch > 1 and <long>M * units < 4 * nt and <long>M * n_heads * a.maxch * (v_head_dim + 2) <= ATT_SPLIT_MAX:
-        a.slots = _att_scratch(<size_t>M * n_heads * a.maxch * (v_head_dim + 2))
-        a.ml = a.slots + <long>M * n_heads * a.maxch * v_head_dim
+        keys += a.pos[m] + 1 - _att_start(a, m)
+        a.maxch = max(a.maxch, (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH)
+    units = a.nkv * a.nsb
+    nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
+    if nt > 1 and a.maxch > 1 and <long>M * units < 4 * nt and <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
+        a.slots = _att_scratch(<size_t>M * a.nh * a.maxch * (a.vd + 2))
+        a.ml = a.slots + <long>M * a.nh * a.maxch * a.vd
         nitems = <long>M * units * a.maxch
         with nogil, parallel(num_threads=nt):
             for idx in prange(nitems, schedule='static'):
-                _att_part(&a, idx)
-            for idx in prange(<long>M * n_heads, schedule='static'):
-                _att_join(&a, idx)
-        return
-    a.slots = _att_scratch(<size_t>nt * COLI_ATT_HB * v_head_dim)
+                _att_part(a, idx)
+            for idx in prange(<long>M * a.nh, schedule='static'):
+                _att_join(a, idx)
+        return 0
+    a.slots = _att_scratch(<size_t>nt * COLI_ATT_HB * a.vd)
     nitems = <long>M * units
     with nogil:
         if nt == 1:
             for idx in range(nitems):
-                _att_seq(&a, idx, a.slots)
+                _att_seq(a, idx, a.slots)
         else:
             for idx in prange(nitems, num_threads=nt, schedule='static'):
-                _att_seq(&a, idx, a.slots + threadid() * COLI_ATT_HB * v_head_dim)
+                _att_seq(a, idx, a.slots + threadid() * COLI_ATT_HB * a.vd)
+    return 0
 
 
 # ---------------------------------------------------------------- mixture of experts
