@@ -19,6 +19,13 @@ def rand(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
 
+def _own_rand(seed):
+    """rand() on a generator of the test's own, leaving the module's RNG (which later tests'
+    data comes from) where it was."""
+    rng = np.random.default_rng(seed)
+    return lambda *shape, scale=1.0: (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"], autouse=True)
 def threads(request):
     K.set_num_threads(request.param)
@@ -131,6 +138,7 @@ def test_attention_front_equals_norm_rope_kv_write(norm, nh, nkv, hd, rot, unit_
 def test_attention_front_with_out_equals_front_then_attention(window, softcap, norm):
     """Given an output, attention_front also runs the attention (one call per layer): the
     bits of attention_front and then attention, rows of two sequences, one chunk or several."""
+    rand = _own_rand(11)
     nh, nkv, hd, L, layer, cap = 6, 2, 32, 2, 1, 150
     inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
     qn, kn = (rand(hd), rand(hd)) if norm else (None, None)
@@ -476,6 +484,7 @@ def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
     run of heads, walking its chunks in turn): the same bits, and the reference's values.
     KV groups of 5 and 8 heads run as 4 + 1 and 4 + 4; both caches sit off a 64-byte
     boundary (several heads realign the rows they share)."""
+    rand = _own_rand(12)
     cap = 334
     pos = np.array([63, 64, 65, 127, 128, 200, 333], np.int32)
     kw = v_stride if v_stride else nkv * hd
