@@ -6,8 +6,11 @@ layer last read them) and when they sit in L1 / L2.
 
 Shape: SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64, 30 layers). Cold: the 30 layers'
 caches attended in turn, ``--evict`` MB walked between passes; hot: one cache, again and
-again. Wall clock per call (median and minimum); compare two trees with ``PYTHONPATH=<tree>``
-one after the other, and keep the load (``uptime``) next to the numbers.
+again. The caches start on a 64-byte boundary, as the engine's do (``--offset`` floats past
+it: misaligned rows, which several heads realign before use). Wall clock per call (median and
+minimum), and at one thread the calling thread's CPU time too (robust to other processes);
+compare two trees with ``PYTHONPATH=<tree>`` one after the other, and keep the load
+(``uptime``) next to the numbers.
 """
 from __future__ import annotations
 
@@ -30,13 +33,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--evict", type=int, default=64, help="MB read between cold passes")
     ap.add_argument("--passes", type=int, default=40)
+    ap.add_argument("--offset", type=int, default=0, help="floats past a 64-byte boundary the caches start")
     a = ap.parse_args()
     K.set_num_threads(a.threads)
     nh, nkv, hd, L = a.heads, a.kv_heads, a.head_dim, a.layers
     rng = np.random.default_rng(0)
     cap = a.pos + 1
-    caches = [(rng.standard_normal((cap, nkv * hd)).astype(np.float32),
-               rng.standard_normal((cap, nkv * hd)).astype(np.float32)) for _ in range(L)]  # (cap, nkv*hd) each
+
+    def cache():  # (cap, nkv*hd), a.offset floats past a 64-byte boundary
+        raw = np.empty(cap * nkv * hd + 32, np.float32)
+        s = (-(raw.ctypes.data // 4)) % 16 + a.offset % 16
+        c = raw[s : s + cap * nkv * hd].reshape(cap, nkv * hd)
+        c[:] = rng.standard_normal(c.shape)
+        return c
+
+    caches = [(cache(), cache()) for _ in range(L)]
     ptrs = [(np.array([k.ctypes.data], np.int64), np.array([v.ctypes.data], np.int64)) for k, v in caches]
     q = rng.standard_normal((1, nh * hd)).astype(np.float32)  # (1, nh*hd)
     out = np.zeros((1, nh * hd), np.float32)
@@ -46,22 +57,28 @@ def main() -> None:
     def call(kp, vp):
         K.attention(q, kp, vp, pos, out, nh, nkv, hd, hd, hd ** -0.5)
 
-    cold = []
+    cold, hot, cold_cpu, hot_cpu = [], [], [], []
     for _ in range(a.passes):
         evict.sum()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for kp, vp in ptrs:
             call(kp, vp)
         cold.append((time.perf_counter() - t0) / L * 1e6)
-    hot = []
+        cold_cpu.append((time.thread_time() - c0) / L * 1e6)
     for _ in range(a.passes * L):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         call(*ptrs[0])
         hot.append((time.perf_counter() - t0) * 1e6)
-    cold.sort(), hot.sort()
-    print(f"{K.simd_name()} · {a.threads} threads · position {a.pos} · load {os.getloadavg()[0]:.1f}")
-    print(f"cold: median {cold[len(cold) // 2]:.2f} us/call, min {cold[0]:.2f}")
-    print(f"hot:  median {hot[len(hot) // 2]:.2f} us/call, min {hot[0]:.2f}")
+        hot_cpu.append((time.thread_time() - c0) * 1e6)
+    for t in (cold, hot, cold_cpu, hot_cpu):
+        t.sort()
+    print(f"{K.simd_name()} · {a.threads} threads · position {a.pos} · offset {a.offset % 16} · "
+          f"load {os.getloadavg()[0]:.1f}")
+    for name, wall, cpu in (("cold", cold, cold_cpu), ("hot ", hot, hot_cpu)):
+        line = f"{name}: median {wall[len(wall) // 2]:.2f} us/call, min {wall[0]:.2f}"
+        if a.threads == 1:
+            line += f" · thread CPU median {cpu[len(cpu) // 2]:.2f} us/call"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ def rand(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
 
+def _own_rand(seed):
+    """rand() on a generator of the test's own, leaving the module's RNG (which later tests'
+    data comes from) where it was."""
+    rng = np.random.default_rng(seed)
+    return lambda *shape, scale=1.0: (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"], autouse=True)
 def threads(request):
     K.set_num_threads(request.param)
@@ -124,6 +131,40 @@ def test_attention_front_equals_norm_rope_kv_write(norm, nh, nkv, hd, rot, unit_
         np.testing.assert_array_equal(caches[seq[m]][0][layer, pos[m]], want_k[m])
         np.testing.assert_array_equal(caches[seq[m]][1][layer, pos[m]], v[m])
     assert not any(c[i][l].any() for c in caches for i in range(2) for l in range(L) if l != layer)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 4.0)])
+@pytest.mark.parametrize("norm", [None, "head"])
+def test_attention_front_with_out_equals_front_then_attention(window, softcap, norm):
+    """Given an output, attention_front also runs the attention (one call per layer): the
+    bits of attention_front and then attention, rows of two sequences, one chunk or several."""
+    rand = _own_rand(11)
+    nh, nkv, hd, L, layer, cap = 6, 2, 32, 2, 1, 150
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    qn, kn = (rand(hd), rand(hd)) if norm else (None, None)
+    pos = np.array([3, 70, 149, 0], np.int32)
+    seq = np.array([0, 0, 0, 1])
+    history = [rand(L, cap, nkv * hd) for _ in range(4)]  # k, v of two sequences
+    q, k, v = rand(4, nh * hd), rand(4, nkv * hd), rand(4, nkv * hd)
+    outs, caches = [], []
+    for fused in (False, True):
+        c = [h.copy() for h in history]
+        kptr = np.array([[c[2 * s].ctypes.data + l * c[0].strides[0] for s in seq] for l in range(L)])
+        vptr = np.array([[c[2 * s + 1].ctypes.data + l * c[0].strides[0] for s in seq] for l in range(L)])
+        front = K.AttentionFront(nh, nkv, hd, hd, inv, 1.0, norm, qn, kn, 1e-5, False, 0.2, window, softcap)
+        qq, kk, out = q.copy(), k.copy(), np.empty((4, nh * hd), np.float32)
+        if fused:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer, out)
+        else:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer)
+            K.attention(qq, kptr[layer], vptr[layer], pos, out, nh, nkv, hd, hd, 0.2, window, softcap)
+        outs.append(out)
+        caches.append(c)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    for a, b in zip(*caches):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="out must be"):
+        K.attention_front(front, q.copy(), k.copy(), v, pos, kptr, vptr, layer, np.empty((4, nh * hd - 1), np.float32))
 
 
 def test_attention_front_rejects_bad_shapes():
@@ -417,9 +458,10 @@ def test_head_matmul(M, nh, a, b):
 
 @pytest.mark.parametrize("nh,nkv,hd", [(2, 1, 64), (8, 2, 128), (6, 3, 72), (5, 5, 40)])
 def test_attention_threads_bit_identical(nh, nkv, hd):
-    """One row split into head ranges (2 threads) or not (1 thread): the same bits, whether a
-    misaligned KV group is read directly (a lone head) or realigned first (several heads)."""
-    cap, pos = 50, np.array([49], np.int32)
+    """One row of three 64-key chunks, computed apart and merged (2 threads) or in turn (1
+    thread): the same bits, whether a misaligned KV group is read directly (a lone head) or
+    realigned first (several heads)."""
+    cap, pos = 150, np.array([149], np.int32)
     kc, vc = at_offset((cap, nkv * hd), 4), at_offset((cap, nkv * hd), 8)
     kc[:], vc[:] = rand(cap, nkv * hd), rand(cap, nkv * hd)
     kptr, vptr = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
@@ -431,6 +473,39 @@ def test_attention_threads_bit_identical(nh, nkv, hd):
         K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (10, 2, 40, 40, 0), (16, 2, 72, 72, 0),
+                                                   (4, 4, 64, 48, 0), (3, 1, 20, 36, 0), (8, 1, 576, 512, 576)])
+@pytest.mark.parametrize("window", [0, 70])
+def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
+    """Rows on both sides of the 64-key chunk boundaries, each alone (at 2 threads its chunks
+    are computed apart, then merged after a barrier) and all in one call (one work item per
+    run of heads, walking its chunks in turn): the same bits, and the reference's values.
+    KV groups of 5 and 8 heads run as 4 + 1 and 4 + 4; both caches sit off a 64-byte
+    boundary (several heads realign the rows they share)."""
+    rand = _own_rand(12)
+    cap = 334
+    pos = np.array([63, 64, 65, 127, 128, 200, 333], np.int32)
+    kw = v_stride if v_stride else nkv * hd
+    kc = at_offset((cap, kw), 4)
+    kc[:] = rand(cap, kw)
+    vc = kc if v_stride else at_offset((cap, nkv * vd), 8)
+    if not v_stride:
+        vc[:] = rand(cap, nkv * vd)
+    M = len(pos)
+    kptr, vptr = np.full(M, kc.ctypes.data, np.int64), np.full(M, vc.ctypes.data, np.int64)
+    q = rand(M, nh * hd)
+    batch = np.empty((M, nh * vd), np.float32)
+    K.attention(q, kptr, vptr, pos, batch, nh, nkv, hd, vd, 0.15, window, 0.0, v_stride)
+    for m in range(M):
+        alone = np.empty((1, nh * vd), np.float32)
+        K.attention(q[m : m + 1], kptr[:1], vptr[:1], pos[m : m + 1], alone, nh, nkv, hd, vd, 0.15, window, 0.0,
+                    v_stride)
+        np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row at position {pos[m]}")
+    ks = [kc[:, : nkv * hd].reshape(cap, nkv, hd)] * M
+    vs = [(kc[:, :vd] if v_stride else vc).reshape(cap, nkv, vd)] * M
+    np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 
 @pytest.mark.parametrize("nh,hd,vd", [(4, 24, 16), (16, 40, 32), (5, 576, 512)])

@@ -53,8 +53,12 @@ cdef extern from *:
 cdef extern from "simd.h" nogil:
     float coli_dot(const float *a, const float *b, int K)
     void coli_scale_add(float *y, float a, const float *x, float b, int n)
-    void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
-                     int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o)
+    void coli_attend_part(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0, int nb,
+                          int c0, int c1, int hd, int vd, float scale, float softcap, float *oc, long ldo,
+                          float *ml, long lds)
+    void coli_attend_seq(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0, int nb,
+                         int j0, int j1, int hd, int vd, float scale, float softcap, float *o, float *tmp)
+    void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
     void coli_gated_act_row(const float *g, const float *u, float *out, int n, int act)
@@ -62,6 +66,8 @@ cdef extern from "simd.h" nogil:
     void coli_gemm_tokens(const float *P, int M, const float *W, long ldw, int nb, int K, float *Y, long ldy)
     enum:
         COLI_NP
+        COLI_ATT_CH
+        COLI_ATT_HB
 
 cdef extern from "simd_q.h" nogil:
     ctypedef struct coli_mat:
@@ -390,13 +396,17 @@ cdef class AttentionFront:
 
     norm: None; "head" (q_norm, k_norm (head_dim,) applied to every head); or "full"
     (q_norm (n_heads*head_dim,), k_norm (n_kv_heads*head_dim,) over the whole row).
-    eps and unit_offset as in rmsnorm."""
+    eps and unit_offset as in rmsnorm. scale (default head_dim ** -0.5), window and softcap:
+    the attention that attention_front runs after the front when given an output (see
+    attention)."""
     cdef qk_front f
-    cdef readonly int n_heads, n_kv_heads, head_dim, rot_dim
+    cdef readonly int n_heads, n_kv_heads, head_dim, rot_dim, window
+    cdef readonly float scale, softcap
     cdef readonly object norm, inv_freq, q_norm, k_norm
 
     def __init__(self, int n_heads, int n_kv_heads, int head_dim, int rot_dim, inv_freq, float scaling=1.0,
-                 norm=None, q_norm=None, k_norm=None, float eps=1e-6, bint unit_offset=False):
+                 norm=None, q_norm=None, k_norm=None, float eps=1e-6, bint unit_offset=False, scale=None,
+                 int window=0, float softcap=0.0):
         widths = {None: (0, 0), "head": (head_dim, head_dim), "full": (n_heads * head_dim, n_kv_heads * head_dim)}
         if n_heads <= 0 or n_kv_heads <= 0 or head_dim <= 0 or not 0 <= rot_dim <= head_dim:
             raise ValueError(f"AttentionFront: bad geometry ({n_heads}, {n_kv_heads}, {head_dim}, {rot_dim})")
@@ -416,6 +426,8 @@ cdef class AttentionFront:
         self.f.scaling, self.f.eps, self.f.off = scaling, eps, 1.0 if unit_offset else 0.0
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = n_heads, n_kv_heads, head_dim, rot_dim
         self.norm, self.inv_freq, self.q_norm, self.k_norm = norm, inv_freq, q_norm, k_norm
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
 
 
 cdef inline void _sumsq4(float **rows, int L, double *ss) noexcept nogil:
@@ -466,11 +478,15 @@ cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int 
         memcpy(vc + <long>pos * vw, v, vw * sizeof(float))
 
 
-def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
+def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, out=None):
     """Everything attention does to a step's new q, k, v before the scores, one row m at a
     time: the RMSNorm of q[m] and k[m] that ``front`` names, RoPE at position pos[m] (both
     in place), then k[m] and v[m] written into the layer's caches at kptr[layer, m] /
     vptr[layer, m] (see kv_write). Bit-identical to rmsnorm, rope and kv_write in turn.
+    With ``out`` (M, n_heads*head_dim) float32, the attention itself follows in the same
+    call, with the front's scale, window and softcap and values of head_dim floats:
+    bit-identical to ``attention(q, kptr[layer], vptr[layer], pos, out, ...)`` after it (one
+    call per layer instead of two).
 
     q (M, n_heads*head_dim), k (M, n_kv_heads*head_dim), v (M, any width) float32;
     pos (M,) int32; kptr, vptr (L, M) int64 (a Batch's), 0 <= layer < L."""
@@ -489,6 +505,11 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
         raise ValueError(f"attention_front: layer {layer} of {_dim(kptr, 0)}")
     kc += <long>layer * M
     vc += <long>layer * M
+    cdef att_call a
+    if out is not None:
+        a.out = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "attention_front: out")
+        if _dim(out, 0) != M or _dim(out, 1) != f.nh * f.hd or vw != kw:
+            raise ValueError("attention_front: out must be (M, n_heads*head_dim) and v as wide as k")
     cdef int nt = _team(<long>M * (f.nh + f.nkv) * f.hd * 2)
     with nogil:
         if nt == 1:
@@ -499,6 +520,13 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer):
             for m in prange(M, num_threads=nt, schedule='static'):
                 _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
                            <float *>kc[m], <float *>vc[m], kw, vw)
+    if out is None:
+        return
+    a.q, a.kptr, a.vptr, a.pos = qp, kc, vc, pp
+    a.nh, a.nkv, a.hd, a.vd, a.window = f.nh, f.nkv, f.hd, f.hd, front.window
+    a.vs = kw
+    a.scale, a.softcap = front.scale, front.softcap
+    _attend(&a, M)
 
 
 def rope(float[:, ::1] x, int n_heads, int head_dim, int rot_dim, const int32_t[::1] pos,
@@ -548,57 +576,160 @@ def kv_write(const float[:, ::1] k, const float[:, ::1] v, const int64_t[::1] kp
                 memcpy(<float *>vptr[m] + <long>pos[m] * vw, &v[m, 0], vw * sizeof(float))
 
 
-def attention(const float[:, ::1] q, const int64_t[::1] kptr, const int64_t[::1] vptr,
-              const int32_t[::1] pos, float[:, ::1] out, int n_heads, int n_kv_heads,
-              int head_dim, int v_head_dim, float scale, int window=0, float softcap=0.0,
-              int v_stride=0):
+cdef struct att_call:
+    const float *q
+    const int64_t *kptr
+    const int64_t *vptr
+    const int32_t *pos
+    float *out
+    int nh, nkv, group, nsb, hd, vd, window, maxch
+    long ks, vs
+    float scale, softcap
+    float *slots    # split calls: chunk outputs (M, nh, maxch, vd), then their max and sum (M, nh, maxch, 2)
+    float *ml
+
+
+cdef inline int _att_start(const att_call *a, int m) noexcept nogil:
+    """The first key row m attends (its window's start)."""
+    if a.window > 0 and a.pos[m] - a.window + 1 > 0:
+        return a.pos[m] - a.window + 1
+    return 0
+
+
+cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
+    """Work unit u of a row: the first head of its run of heads (nb of them, one KV group's)."""
+    cdef int g = u // a.nsb, sb = u - g * a.nsb
+    nb[0] = a.group - sb * COLI_ATT_HB if a.group - sb * COLI_ATT_HB < COLI_ATT_HB else COLI_ATT_HB
+    return g * a.group + sb * COLI_ATT_HB
+
+
+cdef void _att_seq(const att_call *a, long idx, float *tmp) noexcept nogil:
+    """Item idx = m * units + u: unit u of row m over all its keys, chunk after chunk."""
+    cdef int units = a.nkv * a.nsb, nb
+    cdef int m = idx // units, h0 = _att_heads(a, idx - <long>m * units, &nb), g = h0 // a.group
+    coli_attend_seq(a.q + <long>m * a.nh * a.hd, <const float *>a.kptr[m] + <long>g * a.hd, a.ks,
+                    <const float *>a.vptr[m] + <long>g * a.vd, a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
+                    a.hd, a.vd, a.scale, a.softcap, a.out + <long>m * a.nh * a.vd, tmp)
+
+
+cdef void _att_part(const att_call *a, long idx) noexcept nogil:
+    """Item idx = (m * units + u) * maxch + c: chunk c of unit u of row m, into its slots."""
+    cdef int units = a.nkv * a.nsb, nb
+    cdef int c = idx % a.maxch
+    cdef int m = (idx // a.maxch) // units
+    cdef int h0 = _att_heads(a, (idx // a.maxch) - <long>m * units, &nb), g = h0 // a.group
+    cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1
+    if j0 >= j1:  # a shorter row than the longest
+        return
+    if j1 - j0 > COLI_ATT_CH:
+        j1 = j0 + COLI_ATT_CH
+    cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, <const float *>a.kptr[m] + <long>g * a.hd, a.ks,
+                     <const float *>a.vptr[m] + <long>g * a.vd, a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
+                     a.softcap, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
+
+
+cdef void _att_join(const att_call *a, long idx) noexcept nogil:
+    """Item idx = m * nh + h: head h of row m, its chunks merged in order."""
+    cdef int m = idx // a.nh
+    cdef int nc = (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH
+    coli_attend_join(a.out + idx * a.vd, a.slots + idx * a.maxch * a.vd, a.ml + 2 * idx * a.maxch, nc, a.vd)
+
+
+cdef float *_att_buf = NULL  # attention's scratch (split chunk outputs, per-thread merge rows), grown
+cdef size_t _att_cap = 0
+cdef long ATT_SPLIT_MAX = 1 << 20  # floats of chunk outputs a split call may hold (4 MB)
+
+
+cdef float *_att_scratch(size_t need) except NULL:
+    global _att_buf, _att_cap
+    cdef float *p
+    if need > _att_cap:
+        p = <float *>realloc(_att_buf, need * sizeof(float))
+        if p == NULL:
+            raise MemoryError()
+        _att_buf, _att_cap = p, need
+    return _att_buf
+
+
+def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim, int v_head_dim, float scale,
+              int window=0, float softcap=0.0, int v_stride=0):
     """Causal attention of each query row over its own sequence's cache.
 
-    q: (M, n_heads*head_dim); the cache behind kptr[m] is (capacity, n_kv_heads, head_dim),
-    behind vptr[m] (capacity, n_kv_heads, v_head_dim) — or, with v_stride, positions
-    v_stride floats apart (MLA reads its values from the leading part of its key rows);
-    row m attends positions
-    [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when window <= 0).
+    q: (M, n_heads*head_dim) float32; kptr, vptr (M,) int64, pos (M,) int32; out (M,
+    n_heads*v_head_dim) float32 (ndarrays). The cache behind kptr[m] is (capacity, n_kv_heads,
+    head_dim), behind vptr[m] (capacity, n_kv_heads, v_head_dim) — or, with v_stride,
+    positions v_stride floats apart (MLA reads its values from the leading part of its key
+    rows); row m attends positions [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when
+    window <= 0).
 
-    Work items are (row, range of heads): coli_attend walks the keys in blocks, each block
-    across all heads of the range, so the cache rows are read front to back and a GQA group's
-    heads share them in L1. A row is split into as many head ranges as balance the threads
-    (t / gcd(M, t) of them: one range per row once M is a multiple of t), at KV-group
-    boundaries when the groups divide evenly. Each head's arithmetic is the same however heads
-    are split, so results do not depend on the thread count. Online softmax: nothing allocated."""
-    cdef int M = q.shape[0], group, nr, a, b, idx, m, i, h0, h1, start
-    cdef const float *K
-    cdef const float *V
+    A row's keys are taken in fixed chunks of COLI_ATT_CH (64) counted from its first key, its
+    heads in runs of up to COLI_ATT_HB (4) of one KV group (which share every K / V row they
+    read); a chunk's softmax is local (its own max and sum) and the chunks merge in order
+    (flash-decoding's split-K). Work items are (row, run of heads), each walking its chunks in
+    turn, or, when there are too few of them to keep the threads busy (one-token decode),
+    (row, run, chunk), merged after a barrier in the same order: the same arithmetic, so results
+    do not depend on the thread count or on which rows share the call. Nothing is allocated
+    in the steady state (a scratch buffer grows to the largest call)."""
+    cdef att_call a
+    a.q = <const float *>_arr(q, cnp.NPY_FLOAT32, 2, False, "attention: q")
+    a.kptr = <const int64_t *>_arr(kptr, cnp.NPY_INT64, 1, False, "attention: kptr")
+    a.vptr = <const int64_t *>_arr(vptr, cnp.NPY_INT64, 1, False, "attention: vptr")
+    a.pos = <const int32_t *>_arr(pos, cnp.NPY_INT32, 1, False, "attention: pos")
+    a.out = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "attention: out")
+    cdef int M = _dim(q, 0)
     if n_kv_heads <= 0 or n_heads % n_kv_heads != 0:
         raise ValueError("attention: n_heads must be a multiple of n_kv_heads")
-    if q.shape[1] != n_heads * head_dim or out.shape[0] != M or out.shape[1] != n_heads * v_head_dim:
+    if head_dim <= 0 or v_head_dim <= 0:
+        raise ValueError("attention: head dims must be positive")
+    if _dim(q, 1) != n_heads * head_dim or _dim(out, 0) != M or _dim(out, 1) != n_heads * v_head_dim:
         raise ValueError("attention: shape mismatch")
-    if kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
+    if _dim(kptr, 0) != M or _dim(vptr, 0) != M or _dim(pos, 0) != M:
         raise ValueError("attention: shape mismatch")
+    a.nh, a.nkv, a.hd, a.vd, a.window = n_heads, n_kv_heads, head_dim, v_head_dim, window
+    a.vs = v_stride if v_stride > 0 else <long>n_kv_heads * v_head_dim
+    a.scale, a.softcap = scale, softcap
+    _attend(&a, M)
+
+
+cdef int _attend(att_call *a, int M) except -1:
+    """Run the attention that ``a`` describes (its pointers, geometry, vs, scale, window and
+    softcap set) for M rows: choose the work items and threads, then release the GIL."""
+    cdef int m, units, nt
+    cdef long idx, keys = 0, nitems
     if M == 0:
-        return
-    group = n_heads // n_kv_heads
-    a, b = _nthreads, M  # head ranges per row: threads / gcd(M, threads)
-    while b:
-        a, b = b, a % b
-    nr = min(_nthreads // a, n_heads)
-    cdef long vs = v_stride if v_stride > 0 else n_kv_heads * v_head_dim
-    for idx in prange(M * nr, nogil=True, num_threads=_nthreads, schedule='static'):
-        m = idx // nr
-        i = idx - m * nr
-        if n_kv_heads % nr == 0:  # whole KV groups per range
-            h0 = (n_kv_heads * i // nr) * group
-            h1 = (n_kv_heads * (i + 1) // nr) * group
+        return 0
+    a.group = a.nh // a.nkv
+    a.nsb = (a.group + COLI_ATT_HB - 1) // COLI_ATT_HB
+    a.ks = <long>a.nkv * a.hd
+    a.maxch = 1
+    for m in range(M):
+        if a.pos[m] < 0:
+            raise ValueError("attention: negative position")
+        keys += a.pos[m] + 1 - _att_start(a, m)
+        a.maxch = max(a.maxch, (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH)
+    units = a.nkv * a.nsb
+    nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
+    if nt > 1 and a.maxch > 1 and <long>M * units < 4 * nt and <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
+        a.slots = _att_scratch(<size_t>M * a.nh * a.maxch * (a.vd + 2))
+        a.ml = a.slots + <long>M * a.nh * a.maxch * a.vd
+        nitems = <long>M * units * a.maxch
+        with nogil, parallel(num_threads=nt):
+            for idx in prange(nitems, schedule='static'):
+                _att_part(a, idx)
+            for idx in prange(<long>M * a.nh, schedule='static'):
+                _att_join(a, idx)
+        return 0
+    a.slots = _att_scratch(<size_t>nt * COLI_ATT_HB * a.vd)
+    nitems = <long>M * units
+    with nogil:
+        if nt == 1:
+            for idx in range(nitems):
+                _att_seq(a, idx, a.slots)
         else:
-            h0 = n_heads * i // nr
-            h1 = n_heads * (i + 1) // nr
-        K = <const float *>kptr[m]
-        V = <const float *>vptr[m]
-        start = 0
-        if window > 0 and pos[m] - window + 1 > 0:
-            start = pos[m] - window + 1
-        coli_attend(&q[m, 0], K, n_kv_heads * head_dim, V, vs, h0, h1, group, start, pos[m] + 1,
-                    head_dim, v_head_dim, scale, softcap, &out[m, 0])
+            for idx in prange(nitems, num_threads=nt, schedule='static'):
+                _att_seq(a, idx, a.slots + threadid() * COLI_ATT_HB * a.vd)
+    return 0
 
 
 # ---------------------------------------------------------------- mixture of experts

@@ -179,23 +179,26 @@ static inline void coli_gemm_nt(const float *X, long ldx, int M, const float *W,
 }
 
 /* ---- decode attention ------------------------------------------------------------------
- * coli_attend: the query heads [h0, h1) of one row against keys [j0, j1) of its cache.
- * Keys are taken in blocks of CV_W (16 with AVX-512, 8 with AVX2, 1 in the scalar build);
- * the block loop is outside the head loop, so a block's rows are read front to back across
- * all the heads of the call (and a GQA group's heads find their K / V rows in L1). Per
- * block and head:
- *   scores  one accumulator vector per key (q . k lane-wise, no horizontal sum); a
- *           transpose-and-add tree (cv_sum_lanes) turns the CV_W accumulators into ONE
- *           vector whose lane i is the score of key i;
- *   softmax online: running max and sum per head; the block's probabilities come from a
- *           vectorized exp (cv_exp) of the whole score vector; the output is rescaled only
- *           when the block raised the maximum;
- *   P . V   the output is walked in chunks of up to 8 vectors held in registers across all
- *           keys of the block (one load and one store of the output per block, not per key).
- * Each head's arithmetic does not depend on which other heads share the call, so results
- * do not depend on how callers split heads across threads. */
+ * Query heads of one row against keys [j0, j1) of its cache, in fixed CHUNKS of COLI_ATT_CH
+ * keys counted from j0 (flash-decoding split-K). A work item (coli_attend_part) is one chunk
+ * for up to COLI_ATT_HB heads of one KV group; it writes, per head, the chunk's unnormalized
+ * output o_c = sum_j e^(s_j - m_c) v_j, its max m_c and its sum l_c = sum_j e^(s_j - m_c):
+ *   scores  keys in blocks of CV_W (16 with AVX-512, 8 with AVX2, 1 in the scalar build): one
+ *           accumulator vector per key (q . k lane-wise), a transpose-and-add tree
+ *           (cv_sum_lanes) turns the CV_W accumulators into ONE vector whose lane i is the
+ *           score of key i; the chunk's scores go to a small buffer (COLI_ATT_CH floats a head);
+ *   softmax one max per head and chunk (vector max, one horizontal max), then a vectorized
+ *           exp (cv_exp) of the whole buffer in place and its sum: no per-block rescaling;
+ *   P . V   the heads of the item share every V load: accumulators for up to 16 vectors
+ *           (heads x output vectors) stay in registers across the keys of a block.
+ * Chunks then merge in chunk order (coli_attend_merge: a running max and sum, the output
+ * rescaled once per chunk), whether one thread walks them in turn (coli_attend_seq) or several
+ * computed them apart (the caller's split, kernels.pyx): the same arithmetic, so a head's
+ * result depends neither on the thread count nor on which heads share an item (each head's
+ * sums run in the same order whatever the item's width). */
 
-#define COLI_ATT_H 32 /* heads whose softmax state one pass over the keys keeps */
+#define COLI_ATT_CH 64 /* keys per chunk (a multiple of 16) */
+#define COLI_ATT_HB 4  /* heads of a KV group per work item */
 
 /* exp(x) = 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 (two-constant Cody-Waite,
  * |r| <= ln2 / 2), e^r = 1 + r + r^2 P(r) with P a degree-4 fit of relative error ~3e-9 (well
@@ -213,6 +216,7 @@ static inline void coli_gemm_nt(const float *X, long ldx, int M, const float *W,
 #if defined(__AVX512F__)
 #define cv_add(a, b) _mm512_add_ps(a, b)
 #define cv_sub(a, b) _mm512_sub_ps(a, b)
+#define cv_max(a, b) _mm512_max_ps(a, b)
 static inline __mmask16 cv_tailmask(int n) { return (__mmask16)((1u << n) - 1u); }
 static inline cv_t cv_loadn(const float *p, int n) { return _mm512_maskz_loadu_ps(cv_tailmask(n), p); }
 static inline void cv_storen(float *p, cv_t v, int n) { _mm512_mask_storeu_ps(p, cv_tailmask(n), v); }
@@ -280,6 +284,7 @@ static inline void coli_stage_rows(const float *R, long rs, int n, int d, int s,
 #elif defined(__AVX2__) && defined(__FMA__)
 #define cv_add(a, b) _mm256_add_ps(a, b)
 #define cv_sub(a, b) _mm256_sub_ps(a, b)
+#define cv_max(a, b) _mm256_max_ps(a, b)
 static inline __m256i cv_tailmask(int n) {
     static const int32_t t[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     return _mm256_loadu_si256((const __m256i *)(t + 8 - n));
@@ -320,6 +325,7 @@ static inline cv_t cv_sum_lanes(const cv_t *a) {
 #elif defined(COLI_NEON)
 #define cv_add(a, b) vaddq_f32(a, b)
 #define cv_sub(a, b) vsubq_f32(a, b)
+#define cv_max(a, b) vmaxq_f32(a, b)
 static inline uint32x4_t cv_tailmask(int n) { /* lanes < n */
     static const uint32_t lane[4] = {0, 1, 2, 3};
     return vcltq_u32(vld1q_u32(lane), vdupq_n_u32((uint32_t)n));
@@ -357,6 +363,7 @@ static inline cv_t cv_sum_lanes(const cv_t *a) {
 #else
 #define cv_add(a, b) ((a) + (b))
 #define cv_sub(a, b) ((a) - (b))
+#define cv_max(a, b) ((a) > (b) ? (a) : (b))
 static inline cv_t cv_loadn(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 static inline void cv_storen(float *p, cv_t v, int n) {
     if (n > 0) *p = v;
@@ -430,128 +437,193 @@ static inline cv_t coli_qk_block(const float *q, const float *K, long ks, int n,
     return cv_sum_lanes(acc);
 }
 
-/* o[0 : NV*CV_W] = f * (c * o + sum_i p[i] * V_i[same]) over the keys V_i = V + i*vs, i < n;
- * with first set the old o is not read (it may be uninitialized). Short outputs (NV < 4)
- * alternate keys between two accumulator sets to keep enough FMA chains in flight. */
-#define COLI_PV(NV)                                                                                \
-    static inline void coli_pv_##NV(float *o, const float *V, long vs, int n, const float *p, float c, \
-                                    float f, int first) {                                          \
-        enum { NS = NV < 4 ? 2 : 1 };                                                              \
-        cv_t a[NS][NV];                                                                            \
-        for (int v = 0; v < NV; v++) {                                                             \
-            a[0][v] = first ? cv_zero() : c != 1.0f ? cv_mul(cv_load(o + v * CV_W), cv_set1(c))   \
-                                                     : cv_load(o + v * CV_W);                      \
-            if (NS > 1) a[NS - 1][v] = cv_zero();                                                  \
-        }                                                                                          \
-        int i = 0;                                                                                 \
-        for (; i + NS <= n; i += NS)                                                               \
-            for (int j = 0; j < NS; j++) {                                                         \
-                cv_t pj = cv_set1(p[i + j]);                                                       \
-                const float *r = V + (long)(i + j) * vs;                                           \
-                for (int v = 0; v < NV; v++) a[j][v] = cv_fma(pj, cv_load(r + v * CV_W), a[j][v]);  \
+/* o_h[0 : NV*CV_W] (+)= sum_i p_h[i] * V_i[same] for the HB heads h of a work item (o_h = o + h*ldo,
+ * p_h = p + h*ldp) over the keys V_i = V + i*vs, i < n; with first set the old o is not read (it
+ * may be uninitialized). HB and NV are literals at every call site: the HB x NV sums stay in
+ * registers, each V vector loaded serves every head, and each head's sums run over the keys in
+ * order, whatever HB (so a head's result does not depend on which heads share its item). */
+#define COLI_PVH(HB, NV)                                                                           \
+    static inline void coli_pvh_##HB##_##NV(float *o, long ldo, const float *V, long vs, int n,    \
+                                            const float *p, long ldp, int first) {                 \
+        cv_t a[HB][NV];                                                                            \
+        for (int h = 0; h < HB; h++)                                                               \
+            for (int v = 0; v < NV; v++) a[h][v] = first ? cv_zero() : cv_load(o + h * ldo + v * CV_W); \
+        for (int i = 0; i < n; i++) {                                                              \
+            const float *r = V + (long)i * vs;                                                     \
+            cv_t x[NV];                                                                            \
+            for (int v = 0; v < NV; v++) x[v] = cv_load(r + v * CV_W);                             \
+            for (int h = 0; h < HB; h++) {                                                         \
+                cv_t ph = cv_set1(p[h * ldp + i]);                                                 \
+                for (int v = 0; v < NV; v++) a[h][v] = cv_fma(ph, x[v], a[h][v]);                  \
             }                                                                                      \
-        for (; i < n; i++) {                                                                       \
-            cv_t pi = cv_set1(p[i]);                                                               \
-            for (int v = 0; v < NV; v++) a[0][v] = cv_fma(pi, cv_load(V + (long)i * vs + v * CV_W), a[0][v]); \
         }                                                                                          \
-        for (int v = 0; v < NV; v++) {                                                             \
-            cv_t r = NS > 1 ? cv_add(a[0][v], a[NS - 1][v]) : a[0][v];                             \
-            cv_store(o + v * CV_W, f != 1.0f ? cv_mul(r, cv_set1(f)) : r);                         \
-        }                                                                                          \
+        for (int h = 0; h < HB; h++)                                                               \
+            for (int v = 0; v < NV; v++) cv_store(o + h * ldo + v * CV_W, a[h][v]);                \
     }
-COLI_PV(1) COLI_PV(2) COLI_PV(3) COLI_PV(4) COLI_PV(5) COLI_PV(6) COLI_PV(7) COLI_PV(8)
+COLI_PVH(1, 1) COLI_PVH(1, 2) COLI_PVH(1, 3) COLI_PVH(1, 4) COLI_PVH(1, 5) COLI_PVH(1, 6) COLI_PVH(1, 7) COLI_PVH(1, 8)
+COLI_PVH(2, 1) COLI_PVH(2, 2) COLI_PVH(2, 3) COLI_PVH(2, 4) COLI_PVH(2, 5) COLI_PVH(2, 6) COLI_PVH(2, 7) COLI_PVH(2, 8)
+COLI_PVH(3, 1) COLI_PVH(3, 2) COLI_PVH(3, 3) COLI_PVH(3, 4) COLI_PVH(3, 5)
+COLI_PVH(4, 1) COLI_PVH(4, 2) COLI_PVH(4, 3) COLI_PVH(4, 4)
+#define COLI_PVH_CASE(HB, NV)                                                                      \
+    case HB * 16 + NV: coli_pvh_##HB##_##NV(o + d, ldo, V + d, vs, n, p, ldp, first); break;
 
-/* o[:vd] = f * (c * o + sum_i p[i] V_i) over the n keys V + i*vs (o not read when first). */
-static inline void coli_pv_block(float *o, const float *V, long vs, int n, const float *p, float c, float f,
-                                 int first, int vd) {
-    int d = 0;
-    for (; d + 8 * CV_W <= vd; d += 8 * CV_W) coli_pv_8(o + d, V + d, vs, n, p, c, f, first);
-    switch ((vd - d) / CV_W) {
-    case 1: coli_pv_1(o + d, V + d, vs, n, p, c, f, first); break;
-    case 2: coli_pv_2(o + d, V + d, vs, n, p, c, f, first); break;
-    case 3: coli_pv_3(o + d, V + d, vs, n, p, c, f, first); break;
-    case 4: coli_pv_4(o + d, V + d, vs, n, p, c, f, first); break;
-    case 5: coli_pv_5(o + d, V + d, vs, n, p, c, f, first); break;
-    case 6: coli_pv_6(o + d, V + d, vs, n, p, c, f, first); break;
-    case 7: coli_pv_7(o + d, V + d, vs, n, p, c, f, first); break;
-    default: break;
+/* coli_pvh_HB_NV over the whole o_h[:vd] of hb <= 4 heads: pieces of up to 16 / hb vectors
+ * (at most 8), then the last partial vector (vd % CV_W floats) with masked loads. */
+static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs, int n, const float *p, long ldp,
+                            int first, int vd) {
+    int nvmax = hb <= 2 ? 8 : hb == 3 ? 5 : 4, d = 0;
+    while (d + CV_W <= vd) {
+        int nv = (vd - d) / CV_W < nvmax ? (vd - d) / CV_W : nvmax;
+        switch (hb * 16 + nv) {
+        COLI_PVH_CASE(1, 1) COLI_PVH_CASE(1, 2) COLI_PVH_CASE(1, 3) COLI_PVH_CASE(1, 4)
+        COLI_PVH_CASE(1, 5) COLI_PVH_CASE(1, 6) COLI_PVH_CASE(1, 7) COLI_PVH_CASE(1, 8)
+        COLI_PVH_CASE(2, 1) COLI_PVH_CASE(2, 2) COLI_PVH_CASE(2, 3) COLI_PVH_CASE(2, 4)
+        COLI_PVH_CASE(2, 5) COLI_PVH_CASE(2, 6) COLI_PVH_CASE(2, 7) COLI_PVH_CASE(2, 8)
+        COLI_PVH_CASE(3, 1) COLI_PVH_CASE(3, 2) COLI_PVH_CASE(3, 3) COLI_PVH_CASE(3, 4) COLI_PVH_CASE(3, 5)
+        COLI_PVH_CASE(4, 1) COLI_PVH_CASE(4, 2) COLI_PVH_CASE(4, 3) COLI_PVH_CASE(4, 4)
+        default: break;
+        }
+        d += nv * CV_W;
     }
-    d = vd / CV_W * CV_W;
     if (d < vd) {
         int t = vd - d;
-        cv_t a = first ? cv_zero() : cv_mul(cv_loadn(o + d, t), cv_set1(c));
-        for (int i = 0; i < n; i++) a = cv_fma(cv_set1(p[i]), cv_loadn(V + (long)i * vs + d, t), a);
-        cv_storen(o + d, cv_mul(a, cv_set1(f)), t);
+        for (int h = 0; h < hb; h++) {
+            cv_t a = first ? cv_zero() : cv_loadn(o + h * ldo + d, t);
+            for (int i = 0; i < n; i++) a = cv_fma(cv_set1(p[h * ldp + i]), cv_loadn(V + (long)i * vs + d, t), a);
+            cv_storen(o + h * ldo + d, a, t);
+        }
     }
+}
+
+static inline float coli_exp1(float x) { return cv_first(cv_exp(cv_set1(x))); }
+
+/* One work item: heads h0 .. h0+nb-1 of one row (nb <= COLI_ATT_HB, all of one KV head) against
+ * keys [c0, c1) (c1 - c0 <= COLI_ATT_CH). q: the row's queries (head h at q + h*hd); Kg, Vg: that
+ * KV head's rows (key j at Kg + j*ks, Vg + j*vs). Writes head h0+i's unnormalized chunk output
+ * o_c to oc + i*ldo (vd floats), its max m_c to ml[i*lds] and its sum l_c to ml[i*lds + 1].
+ * softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores. Allocates nothing. */
+static inline void coli_attend_part(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0,
+                                    int nb, int c0, int c1, int hd, int vd, float scale, float softcap, float *oc,
+                                    long ldo, float *ml, long lds) {
+    _Alignas(64) float s[COLI_ATT_HB][COLI_ATT_CH]; /* scores, then probabilities */
+#if COLI_REALIGN
+    _Alignas(64) float buf[CV_W * COLI_STAGE_LD];
+    long ldk = (hd + 15) / 16 * 16, ldv = (vd + 15) / 16 * 16;
+#endif
+    int nk = c1 - c0, nvec = (nk + CV_W - 1) / CV_W;
+    for (int b = 0; b < nk; b += CV_W) {
+        int n = nk - b < CV_W ? nk - b : CV_W;
+        const float *Kb = Kg + (long)(c0 + b) * ks;
+        long kst = ks;
+#if COLI_REALIGN
+        int sk = nb > 1 ? coli_row_shift(Kb, ks, hd) : 0; /* staging pays off when several heads read */
+        if (sk) {
+            coli_stage_rows(Kb, ks, n, hd, sk, buf, ldk);
+            Kb = buf, kst = ldk;
+        }
+#endif
+        for (int i = 0; i < nb; i++) {
+            cv_t v = cv_mul(coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), cv_set1(scale));
+            if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
+                _Alignas(64) float t[CV_W];
+                cv_store(t, v);
+                for (int j = 0; j < n; j++) t[j] = softcap * tanhf(t[j] / softcap);
+                v = cv_load(t);
+            }
+            cv_store(s[i] + b, cv_keep(v, n, -INFINITY));
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        cv_t mv = cv_load(s[i]);
+        for (int v = 1; v < nvec; v++) mv = cv_max(mv, cv_load(s[i] + v * CV_W));
+        float mx = cv_hmax(mv);
+        cv_t m = cv_set1(mx), l = cv_zero();
+        for (int v = 0; v < nvec; v++) {
+            cv_t e = cv_exp(cv_sub(cv_load(s[i] + v * CV_W), m));
+            cv_store(s[i] + v * CV_W, e);
+            l = cv_add(l, e);
+        }
+        ml[i * lds] = mx;
+        ml[i * lds + 1] = cv_sum(l);
+    }
+    const float *V0 = Vg + (long)c0 * vs;
+#if COLI_REALIGN
+    int sv = nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
+    if (sv) { /* block by block through the aligned buffer (the sums go through oc: same bits) */
+        for (int b = 0; b < nk; b += CV_W) {
+            int n = nk - b < CV_W ? nk - b : CV_W;
+            coli_stage_rows(V0 + (long)b * vs, vs, n, vd, sv, buf, ldv);
+            coli_pvh(nb, oc, ldo, buf, ldv, n, s[0] + b, COLI_ATT_CH, b == 0, vd);
+        }
+        return;
+    }
+#endif
+    coli_pvh(nb, oc, ldo, V0, vs, nk, s[0], COLI_ATT_CH, 1, vd);
+}
+
+/* Merge a chunk (output oc, max mc, sum lc) into one head's running (o, *m, *l), in chunk order:
+ * m' = max(m, mc), o = o e^(m - m') + oc e^(mc - m'), l likewise. */
+static inline void coli_attend_merge(float *o, float *m, float *l, const float *oc, float mc, float lc, int vd) {
+    float mn = mc > *m ? mc : *m, a = coli_exp1(*m - mn), b = coli_exp1(mc - mn);
+    coli_scale_add(o, a, oc, b, vd);
+    *l = *l * a + lc * b;
+    *m = mn;
+}
+
+/* o[:vd] /= l (as a product by 1 / l) */
+static inline void coli_attend_finish(float *o, float l, int vd) {
+    float f = 1.0f / l;
+    int i = 0;
+    for (; i + CV_W <= vd; i += CV_W) cv_store(o + i, cv_mul(cv_load(o + i), cv_set1(f)));
+    if (i < vd) cv_storen(o + i, cv_mul(cv_loadn(o + i, vd - i), cv_set1(f)), vd - i);
+}
+
+/* Heads h0 .. h0+nb-1 of one KV group of a row over keys [j0, j1): their chunks in turn, merged
+ * into o (head h at o + h*vd) and normalized. tmp: nb*vd floats of scratch. */
+static inline void coli_attend_seq(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0,
+                                   int nb, int j0, int j1, int hd, int vd, float scale, float softcap, float *o,
+                                   float *tmp) {
+    float ml[2 * COLI_ATT_HB], mc[2 * COLI_ATT_HB];
+    float *oh = o + (long)h0 * vd;
+    if (j1 <= j0) {
+        memset(oh, 0, (size_t)nb * vd * sizeof(float));
+        return;
+    }
+    int c1 = j1 - j0 < COLI_ATT_CH ? j1 : j0 + COLI_ATT_CH;
+    coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, j0, c1, hd, vd, scale, softcap, oh, vd, ml, 2);
+    for (int c0 = c1; c0 < j1; c0 += COLI_ATT_CH) {
+        c1 = j1 - c0 < COLI_ATT_CH ? j1 : c0 + COLI_ATT_CH;
+        coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, c0, c1, hd, vd, scale, softcap, tmp, vd, mc, 2);
+        for (int i = 0; i < nb; i++)
+            coli_attend_merge(oh + (long)i * vd, &ml[2 * i], &ml[2 * i + 1], tmp + (long)i * vd, mc[2 * i],
+                              mc[2 * i + 1], vd);
+    }
+    for (int i = 0; i < nb; i++) coli_attend_finish(oh + (long)i * vd, ml[2 * i + 1], vd);
+}
+
+/* One head's nc chunks computed apart (chunk c's output at oc + c*vd, its max and sum at
+ * ml[2c], ml[2c + 1]) merged in order into o[:vd] and normalized: coli_attend_seq's bits. */
+static inline void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd) {
+    float m = ml[0], l = ml[1];
+    memcpy(o, oc, (size_t)vd * sizeof(float));
+    for (int c = 1; c < nc; c++) coli_attend_merge(o, &m, &l, oc + (long)c * vd, ml[2 * c], ml[2 * c + 1], vd);
+    coli_attend_finish(o, l, vd);
 }
 
 /* Query heads [h0, h1) of one row (head h at q + h*hd, output at o + h*vd) against keys
  * [j0, j1): o_h = softmax(scale * q_h . K) V over the cache rows K + j*ks, V + j*vs of KV head
- * h / group (at K + (h / group) * hd, V + (h / group) * vd). softcap > 0 applies
- * softcap * tanh(s / softcap) to the scaled scores. Allocates nothing. */
+ * h / group (at K + (h / group) * hd, V + (h / group) * vd), single-threaded (kernels.pyx splits
+ * the same work items across threads itself). vd <= 4 * COLI_STAGE_LD. */
 static inline void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
                                int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o) {
-    float mx[COLI_ATT_H];
-    cv_t l[COLI_ATT_H]; /* running sums, lane-wise */
-    _Alignas(64) float p[CV_W];
-#if COLI_REALIGN
-    _Alignas(64) float kbuf[CV_W * COLI_STAGE_LD], vbuf[CV_W * COLI_STAGE_LD];
-#else
-    float *kbuf = NULL, *vbuf = NULL;
-#endif
-    long ldk = (hd + 15) / 16 * 16, ldv = (vd + 15) / 16 * 16;
-    if (j1 <= j0) {
-        memset(o + (long)h0 * vd, 0, (size_t)(h1 - h0) * vd * sizeof(float));
-        return;
-    }
-    for (int hb = h0; hb < h1; hb += COLI_ATT_H) {
-        int he = h1 - hb < COLI_ATT_H ? h1 : hb + COLI_ATT_H;
-        for (int h = hb; h < he; h++) mx[h - hb] = -INFINITY, l[h - hb] = cv_zero();
-        for (int b = j0; b < j1; b += CV_W) {
-            int n = j1 - b < CV_W ? j1 - b : CV_W, first = b == j0, last = b + n == j1;
-            for (int h = hb; h < he;) {
-                /* the heads of KV head g in [h, he) share its block of rows */
-                int g = h / group, hg = (g + 1) * group < he ? (g + 1) * group : he;
-                const float *Kb = K + (long)g * hd + (long)b * ks, *Vb = V + (long)g * vd + (long)b * vs;
-                long kst = ks, vst = vs;
-                int sk = 0, sv = 0, v_in_k = Vb == Kb && vs == ks; /* MLA: values lead the key rows */
-                if (hg - h > 1) { /* staging pays off when several heads read the rows */
-                    sk = coli_row_shift(Kb, ks, hd);
-                    sv = coli_row_shift(Vb, vs, vd);
-                }
-                if (sk) {
-                    coli_stage_rows(Kb, ks, n, hd, sk, kbuf, ldk);
-                    Kb = kbuf, kst = ldk;
-                }
-                if (v_in_k) {
-                    Vb = Kb, vst = kst;
-                } else if (sv) {
-                    coli_stage_rows(Vb, vs, n, vd, sv, vbuf, ldv);
-                    Vb = vbuf, vst = ldv;
-                }
-                for (; h < hg; h++) {
-                    cv_t s = cv_mul(coli_qk_block(q + (long)h * hd, Kb, kst, n, hd), cv_set1(scale));
-                    if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
-                        _Alignas(64) float t[CV_W];
-                        cv_store(t, s);
-                        for (int i = 0; i < n; i++) t[i] = softcap * tanhf(t[i] / softcap);
-                        s = cv_load(t);
-                    }
-                    s = cv_keep(s, n, -INFINITY);
-                    float *m = &mx[h - hb], bm = cv_hmax(s), c = 1.0f;
-                    cv_t *lh = &l[h - hb];
-                    if (bm > *m) {
-                        c = cv_first(cv_exp(cv_set1(*m - bm)));
-                        *m = bm;
-                        *lh = cv_mul(*lh, cv_set1(c));
-                    }
-                    cv_t e = cv_exp(cv_sub(s, cv_set1(*m)));
-                    *lh = cv_add(*lh, e);
-                    cv_store(p, e);
-                    coli_pv_block(o + (long)h * vd, Vb, vst, n, p, c, last ? 1.0f / cv_sum(*lh) : 1.0f, first, vd);
-                }
-            }
-        }
+    float tmp[COLI_ATT_HB * COLI_STAGE_LD];
+    int nbmax = COLI_ATT_HB * COLI_STAGE_LD / vd < COLI_ATT_HB ? COLI_ATT_HB * COLI_STAGE_LD / vd : COLI_ATT_HB;
+    for (int h = h0; h < h1;) {
+        int g = h / group, he = (g + 1) * group < h1 ? (g + 1) * group : h1;
+        if (he - h > nbmax) he = h + nbmax;
+        coli_attend_seq(q, K + (long)g * hd, ks, V + (long)g * vd, vs, h, he - h, j0, j1, hd, vd, scale, softcap, o,
+                        tmp);
+        h = he;
     }
 }
 

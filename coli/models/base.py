@@ -142,8 +142,9 @@ class Attention:
     """Multi-head attention with GQA, optional q/k RMSNorm (per head or over the whole
     projection), optional biases, optional clipping, RoPE on the first rot_dim dims.
 
-    Norms, RoPE and the cache write run as one kernel (``K.attention_front``) unless
-    q, k and v are clipped, which comes between the norms and RoPE."""
+    Norms, RoPE, the cache write and the attention itself run as one kernel call
+    (``K.attention_front`` with an output) unless q, k and v are clipped, which comes
+    between the norms and RoPE."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, *, qkv_bias: bool, o_bias: bool,
                  qk_norm: str | None, clip_qkv: float | None = None, layer: int = 0, scale: float | None = None,
@@ -171,7 +172,7 @@ class Attention:
         self.k_width = self.v_width = nkv * hd  # floats per token in the KV cache
         self.front = None if clip_qkv is not None else K.AttentionFront(
             nh, nkv, hd, self.rot_dim, self.inv_freq, self.rope_scaling, qk_norm, self.q_norm, self.k_norm,
-            self.eps, unit_offset)
+            self.eps, unit_offset, self.scale, self.window, self.softcap)
         f32 = np.float32
         # q (M, nh*hd), k and v (M, nkv*hd), the attention output (M, nh*hd)
         self.bufs = (("q", nh * hd, f32), ("k", nkv * hd, f32), ("v", nkv * hd, f32), ("attn", nh * hd, f32))
@@ -180,11 +181,11 @@ class Attention:
         q, k, v, a = rs.views(self, len(x), self.bufs)
         self.qkv(x, (q, k, v), rs)
         if self.front is not None:
-            K.attention_front(self.front, q, k, v, batch.pos, batch.kptr, batch.vptr, layer)
+            K.attention_front(self.front, q, k, v, batch.pos, batch.kptr, batch.vptr, layer, a)
         else:
             self._front_clipped(q, k, v, batch, layer)
-        K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
-                    self.hd, self.scale, self.window, self.softcap)
+            K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
+                        self.hd, self.scale, self.window, self.softcap)
         self.o_proj(a, out, rs)
 
     def _front_clipped(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: Batch, layer: int) -> None:
