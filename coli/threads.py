@@ -7,9 +7,10 @@ slice instead of microseconds. Measured on a 2-core machine with four other busy
 (SmolLM2-135M int8): one thread decodes at 46-76 ms a token, two threads at 500-2600 ms, a
 tenth of one thread's speed, where on the quiet machine two threads are 1.6x faster than one.
 
-The governor watches the engine's decode steps (wall time per token of steps of up to SMALL
-tokens) and now and then tries another thread count for a few steps, keeping it when it is
-clearly faster:
+The governor watches the engine's decode steps (the wall time of steps of up to SMALL tokens,
+each compared only with steps of as many tokens: a batch of four costs less per token than
+one token alone) and now and then tries another thread count for a few steps, keeping it
+when it is clearly faster:
 
 - at the most threads (``--threads``): a trial of half as many every ``after`` steps (256 at
   first, doubling up to MAX_AFTER while trials lose, so a quiet machine pays ~0.2% for them in
@@ -57,10 +58,14 @@ class ThreadGovernor:
         self.max = max(1, max_threads)
         self.n = self.max
         self._set = set_threads
-        self.recent: deque[float] = deque(maxlen=WINDOW)  # seconds per token, at self.n
-        self.best: dict[int, float] = {}  # thread count -> the fastest window seen with it
-        self.trial: tuple[int, list[float]] | None = None  # (count tried, its seconds per token)
-        self.since = 0  # timed steps since the last trial (or switch)
+        # steps are compared only with steps of as many tokens (a batch of 4 costs less per
+        # token than one token alone: mixing them would look like a stall or a win)
+        self.recent: dict[int, deque[float]] = {}  # tokens per step -> seconds of the latest, at self.n
+        self.seen: dict[int, int] = {}  # tokens per step -> the timed step that last had that many
+        self.best: dict[tuple[int, int], float] = {}  # (threads, tokens) -> the fastest window seen
+        self.trial: tuple[int, dict[int, list[float]]] | None = None  # (count tried, its seconds by tokens)
+        self.steps = 0  # timed steps so far
+        self.since = 0  # ... since the last trial (or switch)
         self.after = FIRST_AFTER
         self.trials = self.switches = 0
 
@@ -69,59 +74,77 @@ class ThreadGovernor:
         """The count the next step runs with: a trial's, or ``n``."""
         return self.trial[0] if self.trial is not None else self.n
 
-    def _window(self) -> float:
-        return statistics.median(self.recent)
+    def _ref(self, tokens: int) -> float | None:
+        """The current pace of steps of ``tokens`` tokens (None: none lately)."""
+        q = self.recent.get(tokens)
+        return statistics.median(q) if q else None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if self.max == 1 or tokens < 1 or tokens > SMALL or seconds <= 0:
             return
-        x = seconds / tokens
+        self.steps += 1
+        if self.seen.get(tokens, -WINDOW * 8) < self.steps - 4 * WINDOW:  # not seen lately: start afresh
+            self.recent.pop(tokens, None)
+        self.seen[tokens] = self.steps
         if self.trial is not None:
-            self._trial_step(x)
+            self._trial_step(tokens, seconds)
             return
-        self.recent.append(x)
+        q = self.recent.get(tokens)
+        if q is None:
+            q = self.recent[tokens] = deque(maxlen=WINDOW)
+        q.append(seconds)
         self.since += 1
-        if len(self.recent) < WINDOW:
-            return
-        pace = self._window()
-        best = self.best.get(self.n)
-        self.best[self.n] = pace if best is None else min(best, pace)
-        stalled = self.n > 1 and best is not None and pace > STALL * best
+        stalled = False
+        if len(q) == WINDOW:
+            pace = statistics.median(q)
+            best = self.best.get((self.n, tokens))
+            self.best[self.n, tokens] = pace if best is None else min(best, pace)
+            stalled = self.n > 1 and best is not None and pace > STALL * best
         if self.since >= self.after or stalled:
             other = max(1, self.n // 2) if self.n == self.max or stalled else min(self.max, 2 * self.n)
             if other != self.n:
                 self._start(other)
 
     def _start(self, n: int) -> None:
-        self.trial = (n, [])
+        self.trial = (n, {})
         self.trials += 1
         self._set(n)
 
-    def _trial_step(self, x: float) -> None:
+    def _trial_step(self, tokens: int, seconds: float) -> None:
         n, xs = self.trial
-        pace = self._window()
-        xs.append(x)
-        if x > ABORT * pace:  # clearly slower: no need to see more of it
+        xs.setdefault(tokens, []).append(seconds)
+        ref = self._ref(tokens)
+        if ref is not None and seconds > ABORT * ref:  # clearly slower: no need to see more of it
             self._end(won=False)
             return
-        if len(xs) < WINDOW:
+        if sum(len(v) for v in xs.values()) < WINDOW:
             return
-        t = statistics.median(xs)
-        self._end(won=t * BETTER < pace if n < self.n else t < pace)
+        # the size the trial saw most that the current count has a pace for
+        sizes = sorted((m for m in xs if self._ref(m) is not None), key=lambda m: -len(xs[m]))
+        if not sizes:  # nothing to compare with (the batch changed): as if it had not run
+            self._end(won=None)
+            return
+        m = sizes[0]
+        ratio = statistics.median(xs[m]) / self._ref(m)
+        self._end(won=ratio * BETTER < 1.0 if n < self.n else ratio < 1.0)
 
-    def _end(self, won: bool) -> None:
+    def _end(self, won: bool | None) -> None:
         n, xs = self.trial
         self.trial = None
         self.since = 0
         if won:
             self.n = n
             self.switches += 1
-            self.recent.clear()
-            self.recent.extend(xs[-WINDOW:])
+            self.recent = {m: deque(v[-WINDOW:], maxlen=WINDOW) for m, v in xs.items()}
             self.after = FIRST_AFTER if n == self.max else UP_AFTER
             return
-        self._set(self.n)  # back to the count in use; wait longer before the next trial
+        self._set(self.n)  # back to the count in use
+        if won is None:
+            return
+        # wait longer before the next trial, and take the pace as this count's norm: steps also
+        # get slower for reasons fewer threads do not cure (a longer context), which must not
+        # trigger a trial every window
         self.after = min(2 * self.after, MAX_AFTER if self.n == self.max else MAX_UP_AFTER)
-        # and take the pace as this count's norm: steps also get slower for reasons fewer
-        # threads do not cure (a longer context), which must not trigger a trial every window
-        self.best[self.n] = self._window()
+        for m, q in self.recent.items():
+            if len(q) == WINDOW:
+                self.best[self.n, m] = statistics.median(q)

@@ -32,7 +32,7 @@ class Machine:
         for _ in range(steps):
             t = (self.busy_times if self.busy else self.quiet)[self.n]
             self.history.append(self.n)
-            gov.observe(tokens, t * tokens)
+            gov.observe(tokens, t * (1 + 0.1 * (tokens - 1)))  # a batch reads the weights once for all
 
 
 def governed(quiet, busy, max_threads=2):
@@ -106,6 +106,20 @@ def test_prefill_chunks_are_not_timed():
     m.busy = True
     m.run(gov, 5000, tokens=256)
     assert gov.trials == 0 and not gov.recent
+
+
+def test_batches_of_changing_size_are_no_stall():
+    """One stream, then four, then one again, on a quiet machine: four tokens a step cost less
+    per token than one, and the sizes are compared only with themselves."""
+    m, gov = governed(QUIET, BUSY)
+    for _ in range(10):
+        m.run(gov, 40, tokens=4)
+        m.run(gov, 40, tokens=1)
+    # only the periodic trials (after 256 timed steps, then 512 more), none for a stall
+    assert gov.n == 2 and gov.switches == 0 and gov.trials == 2
+    m.busy = True
+    m.run(gov, 3 * WINDOW, tokens=4)  # a real stall of the 4-token steps is still seen
+    assert gov.n == 1
 
 
 def test_one_thread_and_the_switch_off():
