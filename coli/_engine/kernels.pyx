@@ -151,16 +151,20 @@ cdef int8_t *_xe_scratch(size_t need) except NULL:
     return <int8_t *>(_xe_raw + (-(<size_t>_xe_raw) & 63))
 
 
-cdef float *_panel_scratch(size_t need) except NULL:
-    """Room for ``need`` floats of token panels (grown, never shrunk; called with the GIL)."""
-    global _panels, _panels_cap
+cdef float *_grown(float **buf, size_t *cap, size_t need) except NULL:
+    """``*buf`` with room for ``need`` floats (grown, never shrunk; called with the GIL)."""
     cdef float *p
-    if need > _panels_cap:
-        p = <float *>realloc(_panels, need * sizeof(float))
+    if need > cap[0]:
+        p = <float *>realloc(buf[0], need * sizeof(float))
         if p == NULL:
             raise MemoryError()
-        _panels, _panels_cap = p, need
-    return _panels
+        buf[0], cap[0] = p, need
+    return buf[0]
+
+
+cdef float *_panel_scratch(size_t need) except NULL:
+    """Room for ``need`` floats of token panels."""
+    return _grown(&_panels, &_panels_cap, need)
 
 
 cdef inline int _team(long work) noexcept nogil:
@@ -642,14 +646,7 @@ cdef long ATT_SPLIT_MAX = 1 << 20  # floats of chunk outputs a split call may ho
 
 
 cdef float *_att_scratch(size_t need) except NULL:
-    global _att_buf, _att_cap
-    cdef float *p
-    if need > _att_cap:
-        p = <float *>realloc(_att_buf, need * sizeof(float))
-        if p == NULL:
-            raise MemoryError()
-        _att_buf, _att_cap = p, need
-    return _att_buf
+    return _grown(&_att_buf, &_att_cap, need)
 
 
 def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim, int v_head_dim, float scale,
