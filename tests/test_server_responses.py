@@ -209,10 +209,13 @@ def test_cancel_a_running_response(srv):
     from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
+    # a scripted answer far longer than the time the cancel takes to arrive (sampled freely, the
+    # tiny model could end its answer after a token or two, before the cancel)
+    SCRIPTS[9107] = " ".join(["once"] * 390)
     u = urlsplit(srv.url)
     conn = HTTPConnection(u.hostname, u.port, timeout=60)
     conn.request("POST", "/v1/responses", body=json.dumps({
-        "model": "tiny", "input": "Write a long story.", "stream": True, "temperature": 1.0,
+        "model": "tiny", "input": "Write a long story.", "stream": True, "temperature": 1.0, "seed": 9107,
         "max_output_tokens": 400, "reasoning": {"effort": "none"}}), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     first = b""
