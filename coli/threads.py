@@ -83,7 +83,7 @@ class ThreadGovernor:
         if self.max == 1 or tokens < 1 or tokens > SMALL or seconds <= 0:
             return
         self.steps += 1
-        if self.seen.get(tokens, -WINDOW * 8) < self.steps - 4 * WINDOW:  # not seen lately: start afresh
+        if self.steps - self.seen.get(tokens, self.steps) > 4 * WINDOW:  # not seen lately: start afresh
             self.recent.pop(tokens, None)
         self.seen[tokens] = self.steps
         if self.trial is not None:
@@ -120,11 +120,10 @@ class ThreadGovernor:
         if sum(len(v) for v in xs.values()) < WINDOW:
             return
         # the size the trial saw most that the current count has a pace for
-        sizes = sorted((m for m in xs if self._ref(m) is not None), key=lambda m: -len(xs[m]))
-        if not sizes:  # nothing to compare with (the batch changed): as if it had not run
+        m = max((m for m in xs if self._ref(m) is not None), key=lambda m: len(xs[m]), default=None)
+        if m is None:  # nothing to compare with (the batch changed): as if it had not run
             self._end(won=None)
             return
-        m = sizes[0]
         ratio = statistics.median(xs[m]) / self._ref(m)
         self._end(won=ratio * BETTER < 1.0 if n < self.n else ratio < 1.0)
 

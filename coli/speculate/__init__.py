@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
 from coli.errors import InvalidRequestError
@@ -77,12 +78,7 @@ SHADOW_PRIORS = tuple((0.5 + 0.5 * c, 1.0) for c in range(len(MATCH_CLASSES) + 1
 
 
 def match_class(n: int) -> int:
-    c = 0
-    for first in MATCH_CLASSES:
-        if n < first:
-            break
-        c += 1
-    return c
+    return bisect_right(MATCH_CLASSES, n)
 
 
 def resolve_mode(mode: str | None, env=None, default: str = "auto") -> str:

@@ -52,11 +52,10 @@ class StepCosts:
 
     def _sized(self) -> dict[int, list[float]]:
         """Each size's samples of the last HORIZON observations, without the stalls: once
-        one-token steps are known (t1,
-        their lower quartile), a sample of m tokens above SPIKE x m x t1 says nothing of what
-        m tokens cost (no step of m tokens costs more than m one-token steps, bar overheads), so
-        it is left out; it would otherwise hold t(m) up for as long as m is not tried again,
-        and a size that looks too dear is not tried again."""
+        one-token steps are known (t1, their lower quartile), a sample of m tokens above
+        SPIKE x m x t1 says nothing of what m tokens cost (no step of m tokens costs more than
+        m one-token steps, bar overheads), so it is left out; it would otherwise hold t(m) up
+        for as long as m is not tried again, and a size that looks too dear is not tried again."""
         old = self._n - HORIZON
         fresh = {m: [x for n, x in q if n > old] for m, q in self.samples.items()}
         q1 = fresh.get(1)
