@@ -600,6 +600,11 @@ cdef inline int _att_start(const att_call *a, int m) noexcept nogil:
     return 0
 
 
+cdef inline int _att_chunks(const att_call *a, int m) noexcept nogil:
+    """How many COLI_ATT_CH-key chunks row m's keys make."""
+    return (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH
+
+
 cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
     """Work unit u of a row: the first head of its run of heads (nb of them, one KV group's)."""
     cdef int g = u // a.nsb, sb = u - g * a.nsb
@@ -636,8 +641,8 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
     """Item idx = m * nh + h: head h of row m, its chunks merged in order."""
     cdef int m = idx // a.nh
-    cdef int nc = (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH
-    coli_attend_join(a.out + idx * a.vd, a.slots + idx * a.maxch * a.vd, a.ml + 2 * idx * a.maxch, nc, a.vd)
+    coli_attend_join(a.out + idx * a.vd, a.slots + idx * a.maxch * a.vd, a.ml + 2 * idx * a.maxch,
+                     _att_chunks(a, m), a.vd)
 
 
 cdef float *_att_buf = NULL  # attention's scratch (split chunk outputs, per-thread merge rows), grown
@@ -704,7 +709,7 @@ cdef int _attend(att_call *a, int M) except -1:
         if a.pos[m] < 0:
             raise ValueError("attention: negative position")
         keys += a.pos[m] + 1 - _att_start(a, m)
-        a.maxch = max(a.maxch, (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH)
+        a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb
     nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
     if nt > 1 and a.maxch > 1 and <long>M * units < 4 * nt and <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
