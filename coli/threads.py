@@ -44,9 +44,18 @@ BETTER = 1.3  # fewer threads are kept only when this much faster (more threads:
 ABORT = 4.0  # a trial step this much slower than the current pace ends the trial
 
 
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def enabled(env=None) -> bool:
-    v = (os.environ if env is None else env).get(ENV, "1").strip().lower()
-    return v not in ("0", "false", "no", "off")
+    """$COLI_ADAPTIVE_THREADS (default on); InvalidRequestError for a value that is neither."""
+    raw = (os.environ if env is None else env).get(ENV, "1")
+    v = raw.strip().lower()
+    if v not in ON + OFF:
+        from coli.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"{ENV}={raw!r} must be 1 (on, the default) or 0 (off)")
+    return v in ON
 
 
 class ThreadGovernor:

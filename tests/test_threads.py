@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import coli
+from tests.test_errors import assert_one_line_error, coli_cli
 from coli import synthetic
 from coli._engine import kernels as K
+from coli.errors import InvalidRequestError
 from coli.threads import FIRST_AFTER, MAX_AFTER, MAX_UP_AFTER, WINDOW, ThreadGovernor, enabled
 
 
@@ -127,6 +129,14 @@ def test_one_thread_and_the_switch_off():
     for _ in range(1000):
         gov.observe(1, 0.01)
     assert not enabled({"COLI_ADAPTIVE_THREADS": "0"}) and enabled({}) and enabled({"COLI_ADAPTIVE_THREADS": "1"})
+    with pytest.raises(InvalidRequestError, match="COLI_ADAPTIVE_THREADS='maybe' must be 1"):
+        enabled({"COLI_ADAPTIVE_THREADS": "maybe"})
+
+
+def test_a_bad_switch_is_one_line_on_the_command_line(monkeypatch):
+    monkeypatch.setenv("COLI_ADAPTIVE_THREADS", "maybe")
+    r = coli_cli("run", "--threads", "2", "-n", "2", "hi")
+    assert_one_line_error(r, "COLI_ADAPTIVE_THREADS='maybe' must be 1 (on, the default) or 0 (off)")
 
 
 @pytest.fixture(scope="module")
