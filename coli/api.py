@@ -18,6 +18,7 @@ from coli.config import ModelConfig
 from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
+from coli.weights.packing import pack_dense
 from coli.plan import check_before_load
 from coli.quant import check_format
 from coli.sampling import Sampler, SamplingParams
@@ -109,6 +110,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
             weights = HFWeights(ckpt, quant or "f32", head_quant)
     net = build_model(cfg, weights)
     weights.finish()
+    pack_dense(net)
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights)
     model = Model(model_dir, cfg, tokenizer, engine, weights)
     model.plan = plan

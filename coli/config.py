@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from coli.errors import ModelLoadError
+
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_switch(name: str, env=None, default: bool = True) -> bool:
+    """An on/off environment variable (1/true/yes/on, 0/false/no/off; unset: ``default``);
+    InvalidRequestError, whose message is one line for the CLI, for any other value."""
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v not in SWITCH_ON + SWITCH_OFF:
+        from coli.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"{name}={raw!r} must be 1 (on{', the default' if default else ''}) or 0 "
+                                  f"(off{', the default' if not default else ''})")
+    return v in SWITCH_ON
 
 
 @dataclass(frozen=True)

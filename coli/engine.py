@@ -299,12 +299,8 @@ def _dense_bytes(model: DecoderLM) -> int:
             if isinstance(v, np.ndarray):
                 add(v)
             elif hasattr(v, "mat"):  # Linear
-                add(v.mat.data)
-                add(v.mat.scales)
-                add(getattr(v.mat, "mins", None))  # int4's group mins
+                add(v.mat)  # (QMatrix.nbytes: its arrays, or its tiles when packed)
                 add(getattr(v, "bias", None))
             elif hasattr(v, "data") and hasattr(v, "fmt"):  # QMatrix
-                add(v.data)
-                add(v.scales)
-                add(getattr(v, "mins", None))
+                add(v)
     return total

@@ -27,10 +27,11 @@ in speed. ``COLI_ADAPTIVE_THREADS=0`` keeps the configured count.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from collections import deque
 from collections.abc import Callable
+
+from coli.config import env_switch
 
 ENV = "COLI_ADAPTIVE_THREADS"
 SMALL = 16  # steps of at most this many tokens are timed (decode); a prefill chunk is not
@@ -44,18 +45,9 @@ BETTER = 1.3  # fewer threads are kept only when this much faster (more threads:
 ABORT = 4.0  # a trial step this much slower than the current pace ends the trial
 
 
-ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def enabled(env=None) -> bool:
     """$COLI_ADAPTIVE_THREADS (default on); InvalidRequestError for a value that is neither."""
-    raw = (os.environ if env is None else env).get(ENV, "1")
-    v = raw.strip().lower()
-    if v not in ON + OFF:
-        from coli.errors import InvalidRequestError
-
-        raise InvalidRequestError(f"{ENV}={raw!r} must be 1 (on, the default) or 0 (off)")
-    return v in ON
+    return env_switch(ENV, env)
 
 
 class ThreadGovernor:

@@ -77,6 +77,8 @@ cdef extern from "simd_q.h" nogil:
         const uint16_t *m
         long ldw
         long ldd
+        const uint8_t *pk
+        long pks
     ctypedef struct coli_act:
         const float *x
         const int8_t *q
@@ -103,6 +105,12 @@ cdef extern from "simd_q.h" nogil:
 cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a change rebuilds)
     long coli_xe_ld(int fmt, int M, int K)
     void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde)
+    long coli_q4x_tile_bytes(int fmt, int K)
+    void coli_q4x_pack(const coli_mat *W, int N, int K, uint8_t *pk)
+    void coli_q4x_unpack(const uint8_t *pk, int fmt, int N, int K, uint8_t *wq, long ldw, uint16_t *wd,
+                         uint16_t *wm, long ldd)
+    enum:
+        COLI_Q4X_TILES
 
 cdef enum:
     ROW_BLOCK = 16      # weight rows per parallel work item
@@ -884,3 +892,4 @@ def release_threads():
     between regions, which halves a decode step on a small machine. The next parallel
     region of the calling thread starts fresh workers. Returns 0 on success."""
     return coli_omp_release()
+

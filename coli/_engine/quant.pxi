@@ -47,10 +47,15 @@ cdef class QMatrix:
     f32: data float32 (rows, cols). bf16: data uint16 (rows, cols).
     int8: data int8 (rows, Kp), scales float16 (rows, Kp/32).
     int4s: data uint8 (rows, Kp/2), scales float16 (rows, Kp/32).
-    int4: as int4s, plus mins float16 (rows, Kp/32). Kp = padded(cols)."""
+    int4: as int4s, plus mins float16 (rows, Kp/32). Kp = padded(cols).
+
+    ``pack()`` rearranges an int4 / int4s matrix into the 4-row tiles this SIMD path computes
+    on fastest (simd_qx.h), in place of its row arrays; ``data``, ``scales`` and ``mins`` then
+    unpack a copy on each read (the same values)."""
     cdef coli_mat m
     cdef readonly int fmt, rows, cols
-    cdef readonly object data, scales, mins
+    cdef object _data, _scales, _mins
+    cdef object _packed  # uint8 buffer holding m.pk, or None
 
     def __init__(self, int fmt, data, scales, int rows, int cols, mins=None):
         cdef int kp = padded(cols)
@@ -73,22 +78,88 @@ cdef class QMatrix:
                 raise ValueError(f"QMatrix: int4 mins must be C-contiguous float16 ({rows}, {kp // QK})")
         else:
             mins = None
-        self.fmt, self.rows, self.cols, self.data, self.scales, self.mins = fmt, rows, cols, data, scales, mins
+        self.fmt, self.rows, self.cols, self._data, self._scales, self._mins = fmt, rows, cols, data, scales, mins
+        self._packed = None
         self.m.fmt = fmt
         self.m.w = <const void *><size_t>data.ctypes.data
         self.m.d = <const uint16_t *><size_t>scales.ctypes.data if scales is not None else NULL
         self.m.m = <const uint16_t *><size_t>mins.ctypes.data if mins is not None else NULL
         self.m.ldw = shape[1]
         self.m.ldd = kp // QK
+        self.m.pk, self.m.pks = NULL, 0
 
     @property
     def format(self):
         return FORMAT_NAMES[self.fmt]
 
     @property
+    def packed(self):
+        """Whether the matrix is held in this path's 4-row tiles (``pack``)."""
+        return self._packed is not None
+
+    @property
+    def packed_bytes(self):
+        """Bytes ``pack`` would hold the matrix in (0: it keeps its rows on this path)."""
+        if self._packed is not None or not COLI_Q4X_TILES or self.fmt not in (COLI_Q4, COLI_Q4A):
+            return 0
+        return (self.rows + 3) // 4 * coli_q4x_tile_bytes(self.fmt, self.cols)
+
+    def pack(self, out=None):
+        """Hold an int4 / int4s matrix in the 4-row tiles of this SIMD path's fastest tile
+        (AVX-512 VNNI; same results, bit for bit, as its multi-token tiles on the rows), in
+        ``out`` (a uint8 array of ``packed_bytes`` on a 64-byte boundary, which the matrix then
+        keeps alive) or a buffer of its own, dropping the row arrays. Returns whether it did:
+        other formats, other paths and packed matrices stay as they are."""
+        cdef long size = self.packed_bytes
+        if size == 0:
+            return False
+        if out is None:
+            raw = np.empty(size + 64, np.uint8)
+            out = raw[-raw.ctypes.data % 64:][:size]
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.nbytes != size
+                or not out.flags.c_contiguous or out.ctypes.data % 64):
+            raise ValueError(f"QMatrix.pack: out must be {size} contiguous uint8 bytes on a 64-byte boundary")
+        cdef uint8_t *pk = <uint8_t *><size_t>out.ctypes.data
+        with nogil:
+            coli_q4x_pack(&self.m, self.rows, self.cols, pk)
+        self._packed = out
+        self._data = self._scales = self._mins = None
+        self.m.w, self.m.d, self.m.m = NULL, NULL, NULL
+        self.m.pk, self.m.pks = pk, coli_q4x_tile_bytes(self.fmt, self.cols)
+        return True
+
+    def _unpacked(self):
+        """The row arrays (data, scales, mins) of a packed matrix, unpacked afresh."""
+        cdef int kp = padded(self.cols)
+        q = np.empty((self.rows, kp // 2), np.uint8)
+        d = np.empty((self.rows, kp // QK), np.float16)
+        mn = np.empty((self.rows, kp // QK), np.float16) if self.fmt == COLI_Q4A else None
+        cdef uint8_t *qp = <uint8_t *><size_t>q.ctypes.data
+        cdef uint16_t *dp = <uint16_t *><size_t>d.ctypes.data
+        cdef uint16_t *mp = <uint16_t *><size_t>mn.ctypes.data if mn is not None else NULL
+        with nogil:
+            coli_q4x_unpack(self.m.pk, self.fmt, self.rows, self.cols, qp, kp // 2, dp, mp, kp // QK)
+        return q, d, mn
+
+    @property
+    def data(self):
+        return self._unpacked()[0] if self._packed is not None else self._data
+
+    @property
+    def scales(self):
+        return self._unpacked()[1] if self._packed is not None else self._scales
+
+    @property
+    def mins(self):
+        return self._unpacked()[2] if self._packed is not None else self._mins
+
+    @property
     def nbytes(self):
-        return (self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
-                + (self.mins.nbytes if self.mins is not None else 0))
+        """Bytes the matrix holds (the tiles' padding rows and groups included when packed)."""
+        if self._packed is not None:
+            return self._packed.nbytes
+        return (self._data.nbytes + (self._scales.nbytes if self._scales is not None else 0)
+                + (self._mins.nbytes if self._mins is not None else 0))
 
 
 def embed_rows(const int32_t[::1] ids, QMatrix table, float[:, ::1] out, float scale=1.0):
@@ -305,6 +376,9 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
             if _dim(biases[i], 0) != w.rows:
                 raise ValueError("qlinear: bias length != out features")
     cdef int kp = padded(K)
+    cdef bint packed = False
+    for i in range(n):
+        packed = packed or (<QMatrix>mats[i]).m.pk != NULL
     if quant and (_dim(xq, 0) < M or _dim(xq, 1) != kp or _dim(xqd, 0) < M or _dim(xqd, 1) != kp // QK
                   or _dim(xqs, 0) < M or _dim(xqs, 1) != kp // QK):
         raise ValueError("qlinear: activation scratch too small")
@@ -331,8 +405,17 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
+    cdef int chunk
     if lde and M * lde > XE_MAX_BYTES:
-        lde = 0
+        if not packed:
+            lde = 0
+        else:  # a packed matrix always takes the arranged activations: a long call in chunks of tokens
+            chunk = max(8, XE_MAX_BYTES // lde // 8 * 8)
+            if M > chunk:
+                for i in range(0, M, chunk):
+                    _qlinear_group(x[i: i + chunk], mats, tuple(o[i: i + chunk] for o in outs), biases, xq, xqd,
+                                   xqs, act)
+                return 0
     if lde:
         g.a.xe, g.a.lde = _xe_scratch(M * lde), lde
     with nogil:
@@ -378,6 +461,8 @@ cdef class ExpertTable:
         if not 0 <= e < self.n_experts:
             raise IndexError(e)
         for q, r, c in ((gate, self.inter, self.hidden), (up, self.inter, self.hidden), (down, self.hidden, self.inter)):
+            if q.packed:  # moe_experts may compute a call's experts on the plain tiles, which read rows
+                raise ValueError(f"ExpertTable.set: expert {e} matrix is packed (QMatrix.pack); experts stay in rows")
             if q.fmt != self.fmt or q.rows != r or q.cols != c:
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is {q.format} ({q.rows}, {q.cols}), "
                                  f"expected {FORMAT_NAMES[self.fmt]} ({r}, {c})")

@@ -37,6 +37,9 @@ typedef struct {
     const uint16_t *m;  /* f16 group mins (Q4A), else NULL; laid out as d */
     long ldw;           /* elements of w per row (bytes for Q8/Q4) */
     long ldd;           /* scales per row */
+    const uint8_t *pk;  /* Q4 / Q4A repacked into 4-row tiles (simd_qx.h, coli_q4x_pack), or NULL;
+                           w, d and m are then NULL */
+    long pks;           /* bytes of pk per 4-row tile */
 } coli_mat;
 
 /* Activations for one GEMM: float rows, plus their int8 quantization for Q4/Q4A. */
@@ -970,6 +973,10 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
 #endif
         int n = 0;
 #if defined(COLI_Q512)
+        if (W->pk != NULL) { /* repacked rows (n0 a multiple of 4; the caller arranged the activations) */
+            coli_q4x_packed(a, M, W, n0, nb, K, Y, ldy);
+            return;
+        }
         if (a->xe != NULL && M >= COLI_XT_MIN) /* several tokens: 4 interleaved rows at a time */
             for (; n + 4 <= nb; n += 4)
                 for (int m = 0; m < M; m += COLI_XT_MR) {
@@ -1021,6 +1028,8 @@ static inline void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
     } else if (W->fmt == COLI_Q8) {
         const int8_t *q = (const int8_t *)W->w + r * W->ldw;
         for (int k = 0; k < K; k++) out[k] = coli_f16_to_f32(W->d[r * W->ldd + k / QK]) * q[k];
+    } else if (W->pk != NULL) {
+        coli_q4x_row(W, r, K, out);
     } else {
         const uint8_t *q = (const uint8_t *)W->w + r * W->ldw;
         for (int k = 0; k < K; k++) {

@@ -6,20 +6,96 @@
 #ifndef COLI_SIMD_QX_H
 #define COLI_SIMD_QX_H
 
-/* ---- several tokens x 4 rows, rows interleaved in registers (AVX-512 VNNI) -------------
- * The plain tiles (simd_q.h) keep each row's 64-byte load in its natural order, so every
- * int32 lane of a dot product holds a quarter of one group of one row: each (token, row)
- * pair then pays a convert, a scale multiply and an fma per step besides its two dpbusd,
- * and with a few tokens that, not the weight bytes, sets the speed. Here the 64-byte loads
- * of 4 rows are transposed by dwords within each 128-bit lane (8 unpacks), so lane (L, j)
- * (128-bit lane L, dword j) holds row j's bytes of group b + L: after the 8
- * dpbusd of a step each lane is one whole (row, group) dot product, and one convert +
- * multiply + fma per token serves 4 rows. The activations come pre-arranged
- * (coli_expand_act, once per call): per token and step, each vector a dword of every group
- * broadcast over its 128-bit lane, then the step's activation scales and offset terms in
- * the same lane order, so the inner loop reads them as memory operands. Used from 2 tokens
- * on (COLI_XT_MIN), up to 8 per tile; the groups after the last whole step are one masked
- * step (zeros past the end, in the weights and in the arranged activations). */
+/* ---- Q4 / Q4A repacked into 4-row tiles ----------------------------------------------------
+ * The interleaved tiles below spend most of a one-token step rearranging the weights: 8 dword
+ * unpacks to bring 4 rows' groups into (row, group) lanes, and a gather, convert and permute
+ * for each of the scales and the mins. A matrix that is read many times (every dense layer of
+ * a decoded model) can be rearranged once instead, at load (QMatrix.pack): tile t holds rows
+ * 4t .. 4t + 3 (zeros past the last row) as one contiguous run of steps, step s its groups
+ * 4s .. 4s + g - 1 (g = 4, fewer in a short last step), in 80 g bytes (Q4A; 72 g for Q4):
+ *   bytes 0 .. 64g - 1   the 4 vectors the unpacks make, 16 g bytes each: byte 16gp + 16L + 4j + c
+ *                        is byte 4p + c of row 4t + j's group 4s + L (its 16 nibble bytes in
+ *                        simd_q.h's order)
+ *   then 4g f16 scales   in lane order: 4L + j is row 4t + j, group 4s + L
+ *   then 4g f16 mins     likewise (Q4A only)
+ * so a tile is exactly its rows' bytes. The tile's step loads 4 vectors and the scales as they
+ * are (masked in a short step), and the whole matrix is read as one sequential stream; the
+ * arithmetic is the interleaved tile's, operation for operation, so a token's result has the
+ * same bits as there (the rows past a multiple of 4 go through the tile too, where a matrix in
+ * rows takes the plain tiles). The functions here are plain C on every path (a packed matrix
+ * still reads as rows: coli_q4x_row); only the AVX-512 VNNI path computes on the tiles
+ * (COLI_Q4X_TILES), so only there does QMatrix.pack repack. */
+static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 : 72; } /* per group of 4 rows */
+
+/* Bytes of one 4-row tile of a K-column matrix. */
+static inline long coli_q4x_tile_bytes(int fmt, int K) { return (K + QK - 1) / QK * coli_q4x_group_bytes(fmt); }
+
+/* Where (row j of a tile, group g) lives in the tile: its 4-byte piece p, its scale, its min. */
+static inline long coli_q4x_piece(int fmt, int nb, int g, int j, int p) {
+    int s = g / 4, n = nb - 4 * s < 4 ? nb - 4 * s : 4;
+    return 4 * s * coli_q4x_group_bytes(fmt) + 16L * n * p + 16 * (g % 4) + 4 * j;
+}
+static inline long coli_q4x_scale(int fmt, int nb, int g, int j, int min) {
+    int s = g / 4, n = nb - 4 * s < 4 ? nb - 4 * s : 4;
+    return 4 * s * coli_q4x_group_bytes(fmt) + 64L * n + (min ? 8L * n : 0) + 2 * (4 * (g % 4) + j);
+}
+
+/* pk (N rounded up to 4 rows, coli_q4x_tile_bytes each) = W (row layout, rows [0, N)) repacked. */
+static inline void coli_q4x_pack(const coli_mat *W, int N, int K, uint8_t *pk) {
+    int nb = (K + QK - 1) / QK, asym = W->fmt == COLI_Q4A;
+    long pks = coli_q4x_tile_bytes(W->fmt, K);
+    const uint8_t *wq = (const uint8_t *)W->w;
+    uint16_t zero = 0;
+    for (int t = 0; t < (N + 3) / 4; t++) {
+        uint8_t *o = pk + t * pks;
+        for (int g = 0; g < nb; g++)
+            for (int j = 0; j < 4; j++) {
+                int r = 4 * t + j;
+                for (int p = 0; p < 4; p++)
+                    for (int c = 0; c < 4; c++)
+                        o[coli_q4x_piece(W->fmt, nb, g, j, p) + c] = r < N ? wq[r * W->ldw + g * 16 + 4 * p + c] : 0;
+                memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 0), r < N ? &W->d[r * W->ldd + g] : &zero, 2);
+                if (asym) memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 1), r < N ? &W->m[r * W->ldd + g] : &zero, 2);
+            }
+    }
+}
+
+/* The inverse for rows [0, N): wq (N, ldw) nibble bytes (zeros after the groups), wd / wm
+ * (N, ldd) f16 (wm: Q4A). */
+static inline void coli_q4x_unpack(const uint8_t *pk, int fmt, int N, int K, uint8_t *wq, long ldw, uint16_t *wd,
+                                   uint16_t *wm, long ldd) {
+    int nb = (K + QK - 1) / QK;
+    long pks = coli_q4x_tile_bytes(fmt, K);
+    for (int r = 0; r < N; r++) {
+        const uint8_t *o = pk + (r / 4) * pks;
+        for (int g = 0; g < nb; g++) {
+            for (int p = 0; p < 4; p++) memcpy(&wq[r * ldw + g * 16 + 4 * p], o + coli_q4x_piece(fmt, nb, g, r % 4, p), 4);
+            memcpy(&wd[r * ldd + g], o + coli_q4x_scale(fmt, nb, g, r % 4, 0), 2);
+            if (fmt == COLI_Q4A) memcpy(&wm[r * ldd + g], o + coli_q4x_scale(fmt, nb, g, r % 4, 1), 2);
+        }
+        for (long i = nb * 16; i < ldw; i++) wq[r * ldw + i] = 0;
+    }
+}
+
+/* out[:K] = row r of a repacked Q4 / Q4A matrix as float32 (as coli_dequant_row computes it). */
+static inline void coli_q4x_row(const coli_mat *W, int r, int K, float *out) {
+    int nb = (K + QK - 1) / QK;
+    const uint8_t *o = W->pk + (r / 4) * W->pks;
+    for (int k = 0; k < K; k++) {
+        int g = k / QK, i = k % QK;
+        int byte = o[coli_q4x_piece(W->fmt, nb, g, r % 4, (i % 16) / 4) + i % 4];
+        int v = i < 16 ? (byte & 15) : (byte >> 4);
+        uint16_t d, mn;
+        memcpy(&d, o + coli_q4x_scale(W->fmt, nb, g, r % 4, 0), 2);
+        if (W->fmt == COLI_Q4A) {
+            memcpy(&mn, o + coli_q4x_scale(W->fmt, nb, g, r % 4, 1), 2);
+            out[k] = coli_f16_to_f32(d) * v + coli_f16_to_f32(mn);
+        } else {
+            out[k] = coli_f16_to_f32(d) * (v - 8);
+        }
+    }
+}
+
 #if defined(COLI_Q512)
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
                         * a token gets the same bits alone, in a batch or in a verification */
@@ -179,11 +255,104 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         default: NAME##_x8(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                            \
         }                                                                                          \
     }
+/* One step of the tile over repacked rows: as COLI_Q4XSTEP, its weights and scales read as
+ * they lie at p (n groups; fewer than 4 with MASKED, zeros in the lanes after). */
+#define COLI_Q4XSTEP_PK(MR, ASYM, MASKED, n)                                                       \
+    {                                                                                              \
+        __m512i w[8];                                                                              \
+        if (!(MASKED)) /* a step's 5 lines, COLI_Q4X_AHEAD bytes ahead */                         \
+            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
+        for (int q = 0; q < 4; q++) {                                                              \
+            __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
+                                 : _mm512_loadu_si512((const void *)(p + 64 * q));                 \
+            w[q] = _mm512_and_si512(T, m4);                                                        \
+            w[4 + q] = _mm512_and_si512(_mm512_srli_epi16(T, 4), m4);                              \
+        }                                                                                          \
+        __m512 ws = _mm512_cvtph_ps((MASKED) ? _mm256_maskz_loadu_epi16((__mmask16)((1u << (4 * (n))) - 1), p + 64 * (n)) \
+                                             : _mm256_loadu_si256((const __m256i *)(const void *)(p + 256))); \
+        __m512 wmn = !(ASYM) ? ws : _mm512_cvtph_ps((MASKED) ? _mm256_maskz_loadu_epi16((__mmask16)((1u << (4 * (n))) - 1), p + 72 * (n)) \
+                                                             : _mm256_loadu_si256((const __m256i *)(const void *)(p + 288))); \
+        for (int i = 0; i < MR; i++) {                                                             \
+            const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64);                    \
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o)); \
+            for (int q = 1; q < 8; q++)                                                            \
+                d = _mm512_dpbusd_epi32(d, w[q], _mm512_load_si512((const void *)(o + q * 64)));   \
+            if (!ASYM) d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 9 * 64)));     \
+            __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 8 * 64)));            \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
+            if (ASYM) acc[i] = _mm512_fmadd_ps(wmn, _mm512_load_ps((const float *)(o + 10 * 64)), acc[i]); \
+        }                                                                                          \
+        p += (n) * (ASYM ? 80 : 72);                                                               \
+    }
+
+/* Bytes ahead of a step that it prefetches into L1: ~13 steps, most of a 576-column tile or the
+ * start of the next (the matrix is one stream). With SmolLM2-135M int4 at 2 threads, decode
+ * steps alternated with the row layout's: 4096 and 6144 bytes 4-5% faster than the rows, 2560
+ * and 8192 3%, no prefetch 14% slower, into L2 (T1) at 4096-16384 no better than the rows. */
+#define COLI_Q4X_AHEAD 4096
+
+/* MR tokens x the nr (<= 4) rows of one repacked tile. */
+#define COLI_Q4XTILE512_PK(NAME, MR, ASYM)                                                         \
+    static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
+        __m512 acc[MR];                                                                            \
+        for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();                                 \
+        const __m512i m4 = _mm512_set1_epi8(0x0F);                                                 \
+        const uint8_t *p = pk;                                                                     \
+        int b = 0;                                                                                 \
+        for (; b + 4 <= nb; b += 4) COLI_Q4XSTEP_PK(MR, ASYM, 0, 4)                                \
+        if (b < nb) COLI_Q4XSTEP_PK(MR, ASYM, 1, nb - b)                                           \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_xt_rows(acc[i]));                                             \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }                                                                                          \
+    }
+#define COLI_PKTILES(NAME, ASYM)                                                                   \
+    COLI_Q4XTILE512_PK(NAME, 1, ASYM) COLI_Q4XTILE512_PK(NAME, 2, ASYM) COLI_Q4XTILE512_PK(NAME, 3, ASYM) \
+    COLI_Q4XTILE512_PK(NAME, 4, ASYM) COLI_Q4XTILE512_PK(NAME, 5, ASYM) COLI_Q4XTILE512_PK(NAME, 6, ASYM) \
+    COLI_Q4XTILE512_PK(NAME, 7, ASYM) COLI_Q4XTILE512_PK(NAME, 8, ASYM)                           \
+    static inline void NAME##_pk(int mr, const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
+        switch (mr) {                                                                              \
+        case 1: NAME##_pk1(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 2: NAME##_pk2(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 3: NAME##_pk3(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 4: NAME##_pk4(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 5: NAME##_pk5(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 6: NAME##_pk6(a, pk, nb, Y, ldy, nr); break;                                    \
+        case 7: NAME##_pk7(a, pk, nb, Y, ldy, nr); break;                                    \
+        default: NAME##_pk8(a, pk, nb, Y, ldy, nr); break;                                   \
+        }                                                                                          \
+    }
+COLI_PKTILES(coli_q4tile, 0)
+COLI_PKTILES(coli_q4atile, 1)
+#define COLI_Q4X_TILES 1 /* this path computes on repacked matrices (QMatrix.pack repacks) */
+
+/* Y[m, n0 + n] for n < nb of a repacked matrix (n0 a multiple of 4) against the arranged
+ * activations a->xe (required), up to COLI_XT_MR tokens a tile. */
+static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                   long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    for (int n = 0; n < nb; n += 4) {
+        const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
+        int nr = nb - n < 4 ? nb - n : 4;
+        for (int m = 0; m < M; m += COLI_XT_MR) {
+            int mr = M - m < COLI_XT_MR ? M - m : COLI_XT_MR;
+            coli_act sub = *a;
+            sub.xe = a->xe + m * a->lde;
+            float *y = Y + m * ldy + n0 + n;
+            if (W->fmt == COLI_Q4A)
+                coli_q4atile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
+            else
+                coli_q4tile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
+        }
+    }
+}
 #define COLI_Q4X_SYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 0)
 #define COLI_Q4X_ASYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 1)
 COLI_XTILES(coli_q4tile, COLI_Q4X_SYM)
 COLI_XTILES(coli_q4atile, COLI_Q4X_ASYM)
 #else
+#define COLI_Q4X_TILES 0
 static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
     (void)a; (void)M; (void)K; (void)fmt; (void)xe; (void)lde;

@@ -1,0 +1,133 @@
+"""Packed int4 (QMatrix.pack, coli/weights/packing.py) against the row layout, side by side
+in one process.
+
+    python benchmarks/bench_packing.py -m /work/models/smollm2-int4 --threads 2
+    python benchmarks/bench_packing.py -m /work/models/smollm2-int4 --threads 2 --streams 4
+    python benchmarks/bench_packing.py --synthetic olmoe-1b-7b --threads 2 --steps 60
+
+The model is loaded twice, with COLI_PACK=0 and =1, each prefilled with --prompt tokens
+(per stream), then decode steps alternate between the two (one step of each, in turns
+whose order flips every step) for --steps steps each, so both see the same machine and the
+same cache pressure: on a shared machine the speed of one setting drifts by 20% from minute
+to minute, far more than the difference measured. Reported: the median step of each and
+the ratio; then, with --kernels, one qlinear call per shape of a 576-wide model at 1..8
+tokens with the matrix in cache (the compute alone). Needs an AVX-512 VNNI CPU (the only
+path with packed tiles).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import coli  # noqa: E402
+from coli import synthetic  # noqa: E402
+from coli._engine import kernels as K  # noqa: E402
+from coli.quant import quantize  # noqa: E402
+
+
+def _load(path: str, threads: int, pack: bool):
+    os.environ["COLI_PACK"] = "1" if pack else "0"
+    try:
+        return coli.load(path, threads=threads)
+    finally:
+        os.environ.pop("COLI_PACK", None)
+
+
+def decode(path: str, threads: int, steps: int, prompt: int, streams: int) -> dict:
+    runs = {}
+    for pack in (False, True):
+        m = _load(path, threads, pack)
+        eng = m.engine
+        caches = [eng.new_cache(prompt + 8) for _ in range(streams)]
+        for i, c in enumerate(caches):
+            eng.step([(c, [(7 * i + j) % 100 + 2 for j in range(prompt)])])
+        runs[pack] = (eng, caches, [len(c) for c in caches], [])
+    for i in range(steps + 5):
+        for pack in ((False, True) if i % 2 else (True, False)):
+            eng, caches, starts, times = runs[pack]
+            t0 = time.perf_counter()
+            eng.step([(c, [5]) for c in caches])
+            dt = time.perf_counter() - t0
+            for c, s in zip(caches, starts):
+                c.truncate(s)
+            if i >= 5:  # warm-up
+                times.append(dt)
+    rows, packed = (statistics.median(runs[p][3]) for p in (False, True))
+    return dict(rows_ms=rows * 1e3, packed_ms=packed * 1e3, speedup=rows / packed,
+                tok_s_rows=streams / rows, tok_s_packed=streams / packed)
+
+
+def kernels(threads: int) -> list[dict]:
+    K.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    out = []
+    for rows, cols in ((576, 576), (192, 576), (1536, 576), (576, 1536)):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        a, b = quantize(w, "int4"), quantize(w, "int4")
+        b.pack()
+        for M in (1, 2, 4, 8):
+            x = rng.standard_normal((M, cols)).astype(np.float32)
+            kp = K.padded(cols)
+            s = (np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32))
+            y = np.empty((M, rows), np.float32)
+            best = {}
+            for _ in range(5):  # alternated rounds, best of each
+                for name, mat in (("rows", a), ("packed", b)):
+                    t0 = time.perf_counter()
+                    for _ in range(500):
+                        K.qlinear(x, mat, y, None, *s)
+                    best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) / 500)
+            out.append(dict(shape=f"{rows}x{cols}", tokens=M, rows_us=best["rows"] * 1e6,
+                            packed_us=best["packed"] * 1e6, speedup=best["rows"] / best["packed"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", help="an int4 model (converted directory or GGUF)")
+    ap.add_argument("--synthetic", help="a seeded random-weight model instead: tiny, olmoe-mini, olmoe-1b-7b")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=400, help="decode steps of each setting")
+    ap.add_argument("--prompt", type=int, default=128, help="context before the decode steps (per stream)")
+    ap.add_argument("--streams", type=int, default=1, help="sequences per decode step")
+    ap.add_argument("--kernels", action="store_true", help="also time single qlinear calls in cache")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if quantize(np.ones((4, 32), np.float32), "int4").packed_bytes == 0:
+        sys.exit(f"bench_packing: the {K.simd_name()} path has no packed tiles (AVX-512 VNNI only)")
+    tmp = None
+    path = a.model
+    if a.synthetic:
+        tmp = tempfile.TemporaryDirectory()
+        path = str(synthetic.write_converted(a.synthetic, os.path.join(tmp.name, a.synthetic), "int4", seed=0))
+    if not path:
+        sys.exit("bench_packing: give -m MODEL or --synthetic NAME")
+    os.environ.setdefault("COLI_ADAPTIVE_THREADS", "0")  # the same thread count all along
+    res = dict(model=a.model or a.synthetic, simd=K.simd_name(), threads=a.threads, streams=a.streams,
+               steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
+               decode=decode(path, a.threads, a.steps, a.prompt, a.streams))
+    if a.kernels:
+        res["kernels"] = kernels(1)
+    if a.json:
+        print(json.dumps(res, indent=1))
+        return
+    d = res["decode"]
+    print(f"{res['model']} ({res['simd']}, {a.threads} threads, {a.streams} stream(s), load {res['load']:.1f}): "
+          f"median step rows {d['rows_ms']:.3f} ms, packed {d['packed_ms']:.3f} ms: {d['speedup']:.3f}x "
+          f"({d['tok_s_rows']:.1f} -> {d['tok_s_packed']:.1f} tok/s)")
+    for k in res.get("kernels", []):
+        print(f"  {k['shape']:>9} x {k['tokens']} tokens: rows {k['rows_us']:7.2f} us, packed {k['packed_us']:7.2f} us, "
+              f"{k['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

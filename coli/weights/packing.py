@@ -1,0 +1,81 @@
+"""Dense int4 matrices rearranged, once at load, into the tiles the kernels read fastest.
+
+On the AVX-512 VNNI path an int4 / int4s matrix can be held in 4-row tiles
+(``QMatrix.pack``; the layout is in coli/_engine/simd_qx.h): a one-token GEMV then
+spends no instructions rearranging weights, and the matrix is one sequential stream.
+Results are the same bits as the row layout's (the tiles are the same arithmetic).
+
+Only the matrices every decode step reads are packed: attention, dense and shared-expert
+MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
+cache slots, which read rows). All packed matrices of a model share one buffer, asked
+of the kernel for transparent huge pages, as the page cache already gives a mapped
+checkpoint here: on 4 KB pages the same tiles decoded slower than the rows did.
+
+``COLI_PACK=0`` keeps every matrix in rows.
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from coli.config import env_switch
+
+ENV = "COLI_PACK"
+HUGE = 2 << 20  # transparent huge page size on x86-64
+
+
+def huge_buffer(size: int) -> np.ndarray:
+    """``size`` zeroed bytes of anonymous memory starting on a huge-page boundary, advised
+    for transparent huge pages where the kernel offers them (Linux; elsewhere plain pages)."""
+    mm = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: plain pages
+            pass
+    raw = np.frombuffer(mm, np.uint8)  # keeps the mapping alive
+    off = -raw.ctypes.data % HUGE
+    return raw[off: off + size]
+
+
+def dense_matrices(model) -> list:
+    """Every distinct QMatrix that a decode step multiplies by, outside routed experts."""
+    from coli.models.base import GatedMLP, Linear, MoE
+
+    seen: dict[int, object] = {}
+
+    def add(lin):
+        if isinstance(lin, Linear):
+            seen.setdefault(id(lin.mat), lin.mat)
+
+    def add_mlp(mlp):
+        if isinstance(mlp, GatedMLP):
+            for lin in (mlp.gate, mlp.up, mlp.down):
+                add(lin)
+        elif isinstance(mlp, MoE) and mlp.shared is not None:
+            add_mlp(mlp.shared)
+
+    for layer in model.layers:
+        for v in vars(layer.attn).values():  # q/k/v/o, MLA's projections
+            add(v)
+        add_mlp(layer.mlp)
+    add(model.lm_head)
+    return list(seen.values())
+
+
+def pack_dense(model, env=None) -> int:
+    """Pack the model's dense int4 matrices (unless ``COLI_PACK=0``); returns the bytes packed."""
+    if not env_switch(ENV, env):
+        return 0
+    mats = [(m, m.packed_bytes) for m in dense_matrices(model)]
+    mats = [(m, n) for m, n in mats if n]
+    if not mats:
+        return 0
+    total = sum(-(-n // 64) * 64 for _, n in mats)  # each on a 64-byte boundary
+    arena = huge_buffer(total)
+    off = 0
+    for m, n in mats:
+        m.pack(arena[off: off + n])
+        off += -(-n // 64) * 64
+    return sum(n for _, n in mats)

@@ -1,0 +1,202 @@
+"""int4 matrices repacked into 4-row tiles (QMatrix.pack, coli/weights/packing.py): the same
+values read back, the same bits out of every kernel that reads them, and a loaded model
+whose dense int4 layers are packed gives the logits of the unpacked one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import coli
+from coli import synthetic
+from coli._engine import kernels as K
+from coli.errors import InvalidRequestError
+from coli.quant import dequantize, quantize, reference_qlinear
+from coli.weights.packing import dense_matrices, huge_buffer, pack_dense
+from tests.conftest import make_hf_model
+from tests.test_errors import assert_one_line_error, coli_cli
+
+PACKS = quantize(np.ones((4, 32), np.float32), "int4").packed_bytes > 0
+needs_tiles = pytest.mark.skipif(not PACKS, reason=f"the {K.simd_name()} path computes int4 on rows "
+                                 "(only AVX-512 VNNI has the packed tiles; COLI_SIMD=avx512vnni on a CPU with it)")
+# rows and columns: multiples of 4 and 128 and not, under one group, one short last step
+SHAPES = [(576, 576), (64, 100), (37, 576), (19, 33), (130, 1000), (8, 64), (5, 96), (3, 7)]
+
+
+def _scratch(M, cols):
+    kp = K.padded(cols)
+    return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
+
+
+def _pair(rng, rows, cols, fmt):
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.2, 3, (rows, 1))).astype(np.float32)
+    a, b = quantize(w, fmt), quantize(w, fmt)
+    assert b.pack() and b.packed and not a.packed
+    return a, b
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["int4", "int4s"])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_a_packed_matrix_reads_back_the_same_values(fmt, rows, cols):
+    a, b = _pair(np.random.default_rng(rows * cols), rows, cols, fmt)
+    assert np.array_equal(b.data, a.data) and np.array_equal(b.scales, a.scales)
+    assert (b.mins is None) if fmt == "int4s" else np.array_equal(b.mins, a.mins)
+    assert np.array_equal(dequantize(b), dequantize(a))
+    # a tile is exactly its 4 rows' bytes: only rows past a multiple of 4 are padding
+    per_group = 80 if fmt == "int4" else 72
+    assert b.nbytes == -(-rows // 4) * (K.padded(cols) // 32) * per_group
+    ids = np.array([0, rows - 1, rows // 2, rows - 1], np.int32)
+    ea, eb = np.empty((4, cols), np.float32), np.empty((4, cols), np.float32)
+    K.embed_rows(ids, a, ea, 0.5)
+    K.embed_rows(ids, b, eb, 0.5)
+    assert np.array_equal(ea, eb)
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["int4", "int4s"])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_packed_tiles_give_the_bits_of_the_row_tiles(fmt, rows, cols):
+    """Rows in whole tiles of 4: the very bits of the row layout's multi-token tiles, at every
+    token count (alone, batched, in a verification); the rows past them (the plain tiles in
+    the row layout) within float rounding of it and of the NumPy twin."""
+    rng = np.random.default_rng(rows + cols)
+    a, b = _pair(rng, rows, cols, fmt)
+    whole = rows // 4 * 4
+    for M in (1, 2, 3, 5, 8, 9, 17):
+        x = rng.standard_normal((M, cols)).astype(np.float32)
+        ya, yb = np.empty((M, rows), np.float32), np.empty((M, rows), np.float32)
+        K.qlinear(x, a, ya, None, *_scratch(M, cols))
+        K.qlinear(x, b, yb, None, *_scratch(M, cols))
+        np.testing.assert_array_equal(yb[:, :whole], ya[:, :whole])
+        ref = reference_qlinear(x, a)
+        np.testing.assert_allclose(yb, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        one = np.empty((1, rows), np.float32)
+        K.qlinear(x[-1:], b, one, None, *_scratch(1, cols))
+        np.testing.assert_array_equal(one[0], yb[-1])  # a token's bits do not depend on its batch
+
+
+@needs_tiles
+def test_grouped_calls_biases_and_the_gated_activation_on_packed_matrices():
+    rng = np.random.default_rng(3)
+    H, I, M = 96, 130, 5
+    pairs = [_pair(rng, I, H, "int4") for _ in range(2)]
+    bias = rng.standard_normal(I).astype(np.float32)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    out = {}
+    for k in (0, 1):
+        g, u = np.empty((M, I), np.float32), np.empty((M, I), np.float32)
+        K.qlinear_many(x, (pairs[0][k], pairs[1][k]), (g, u), (bias, None), *_scratch(M, H), 0)
+        out[k] = g, u
+    whole = I // 4 * 4
+    for ra, rb in zip(out[0], out[1]):
+        np.testing.assert_array_equal(rb[:, :whole], ra[:, :whole])
+        np.testing.assert_allclose(rb, ra, rtol=1e-5, atol=1e-5)
+
+
+@needs_tiles
+def test_a_long_call_runs_in_chunks_of_tokens_with_the_same_bits():
+    rng = np.random.default_rng(4)
+    a, b = _pair(rng, 64, 576, "int4")
+    M = 40
+    x = rng.standard_normal((M, 576)).astype(np.float32)
+    whole, chunked = np.empty((M, 64), np.float32), np.empty((M, 64), np.float32)
+    K.qlinear(x, b, whole, None, *_scratch(M, 576))
+    try:
+        K.set_xe_max_bytes(4096)  # a few tokens' arranged activations at a time
+        K.qlinear(x, b, chunked, None, *_scratch(M, 576))
+        K.set_xe_max_bytes(0)  # "never arrange": a packed matrix still needs them, 8 tokens at a time
+        K.qlinear(x, b, whole, None, *_scratch(M, 576))
+    finally:
+        K.set_xe_max_bytes(16 << 20)
+    np.testing.assert_array_equal(chunked, whole)
+
+
+@needs_tiles
+def test_pack_checks_its_buffer_and_experts_stay_in_rows():
+    rng = np.random.default_rng(5)
+    m = quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4")
+    n = m.packed_bytes
+    raw = np.zeros(n + 128, np.uint8)
+    start = -raw.ctypes.data % 64
+    with pytest.raises(ValueError, match="64-byte boundary"):
+        m.pack(raw[start + 1: start + 1 + n])
+    with pytest.raises(ValueError, match=f"{n} contiguous uint8 bytes"):
+        m.pack(raw[start: start + n - 64])
+    assert not m.packed
+    buf = raw[start: start + n]
+    assert m.pack(buf) and m.packed and m.packed_bytes == 0 and not m.pack()
+    assert buf.any()  # it lives in the caller's buffer
+    table = K.ExpertTable(1, 64, 8, K.FORMATS["int4"])
+    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "int4")
+    with pytest.raises(ValueError, match="packed"):
+        table.set(0, m, m, down)
+    for fmt in ("f32", "bf16", "int8"):
+        other = quantize(rng.standard_normal((8, 64)).astype(np.float32), fmt)
+        assert other.packed_bytes == 0 and not other.pack()
+
+
+def test_the_huge_page_arena_is_aligned_and_zeroed():
+    buf = huge_buffer(3 << 20)
+    assert buf.nbytes == 3 << 20 and buf.ctypes.data % (2 << 20) == 0 and not buf.any()
+    buf[-1] = 7  # writable
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """A seeded llama whose projections have rows and columns that are no multiple of 4 / 128."""
+    out = tmp_path_factory.mktemp("packing") / "llama-odd"
+    make_hf_model("llama", out, seed=3, hidden_size=72, intermediate_size=98, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=163, attention_bias=True)
+    return out
+
+
+def _steps(model):
+    eng = model.engine
+    a, b = eng.new_cache(64), eng.new_cache(64)
+    out = [eng.step([(a, list(range(3, 20)))], all_logits=[True])[0].copy()]
+    out += [eng.step([(a, [t])])[0].copy() for t in (5, 9, 30)]
+    eng.step([(b, list(range(7, 15)))])
+    out += [r.copy() for r in eng.step([(a, [11, 12, 13]), (b, [4])], all_logits=[True, False])]
+    return out
+
+
+@needs_tiles
+@pytest.mark.parametrize("quant,head", [("int4", None), ("int4s", "int4s"), ("int4", "int4")])
+def test_a_model_with_packed_layers_gives_the_unpacked_logits(odd_llama, monkeypatch, quant, head):
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(odd_llama, threads=2, quant=quant, head_quant=head)
+    assert not any(m.packed for m in dense_matrices(rows.engine.model))
+    monkeypatch.delenv("COLI_PACK")
+    packed = coli.load(odd_llama, threads=2, quant=quant, head_quant=head)
+    net = packed.engine.model
+    mats = dense_matrices(net)
+    assert all(m.packed for m in mats if m.format in ("int4", "int4s")) and any(m.packed for m in mats)
+    assert net.layers[0].attn.q_proj.mat.packed and net.layers[1].mlp.down.mat.packed
+    assert net.lm_head.mat.packed == (head is not None)  # the tied table: embedding rows read from tiles
+    for r, p in zip(_steps(rows), _steps(packed)):
+        np.testing.assert_allclose(p, r, rtol=2e-5, atol=2e-5 * np.abs(r).max())
+    assert packed.engine.resident_bytes()["dense"] == rows.engine.resident_bytes()["dense"] + sum(
+        m.nbytes - quantize(np.zeros((m.rows, m.cols), np.float32), m.format).nbytes for m in mats if m.packed)
+
+
+@needs_tiles
+def test_whole_tiles_give_identical_logits_on_a_converted_model(tmp_path, monkeypatch):
+    """Every dimension a multiple of 4: the packed model's logits are the very bits."""
+    d = synthetic.write_converted("tiny", tmp_path / "tiny-int4", "int4", seed=1)
+    monkeypatch.setenv("COLI_PACK", "off")
+    rows = coli.load(d, threads=2)
+    monkeypatch.setenv("COLI_PACK", "on")
+    packed = coli.load(d, threads=2)
+    assert pack_dense(packed.engine.model) == 0  # already packed: nothing more to do
+    assert any(m.packed for m in dense_matrices(packed.engine.model))
+    for r, p in zip(_steps(rows), _steps(packed)):
+        np.testing.assert_array_equal(p, r)
+
+
+def test_the_switch(monkeypatch, tmp_path):
+    with pytest.raises(InvalidRequestError, match="COLI_PACK='sometimes' must be 1"):
+        pack_dense(None, {"COLI_PACK": "sometimes"})
+    assert pack_dense(None, {"COLI_PACK": "0"}) == 0
+    monkeypatch.setenv("COLI_PACK", "sometimes")
+    r = coli_cli("run", "-n", "2", "hi")
+    assert_one_line_error(r, "COLI_PACK='sometimes' must be 1 (on, the default) or 0 (off)")
