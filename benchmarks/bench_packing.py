@@ -66,6 +66,26 @@ def decode(path: str, threads: int, steps: int, prompt: int, streams: int) -> di
                 tok_s_rows=streams / rows, tok_s_packed=streams / packed)
 
 
+def prefill(path: str, threads: int, rounds: int, tokens: int) -> dict:
+    """One prefill step of ``tokens`` tokens on each setting in turn, ``rounds`` times."""
+    runs = {}
+    for pack in (False, True):
+        eng = _load(path, threads, pack).engine
+        runs[pack] = (eng, eng.new_cache(tokens + 8), [])
+    ids = [(7 * j) % 100 + 2 for j in range(tokens)]
+    for i in range(rounds + 1):
+        for pack in ((False, True) if i % 2 else (True, False)):
+            eng, cache, times = runs[pack]
+            t0 = time.perf_counter()
+            eng.step([(cache, ids)])
+            dt = time.perf_counter() - t0
+            cache.truncate(0)
+            if i:  # the first round warms up
+                times.append(dt)
+    rows, packed = (statistics.median(runs[p][2]) for p in (False, True))
+    return dict(tokens=tokens, rows_tok_s=tokens / rows, packed_tok_s=tokens / packed, speedup=rows / packed)
+
+
 def kernels(threads: int) -> list[dict]:
     K.set_num_threads(threads)
     rng = np.random.default_rng(0)
@@ -100,6 +120,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="context before the decode steps (per stream)")
     ap.add_argument("--streams", type=int, default=1, help="sequences per decode step")
     ap.add_argument("--kernels", action="store_true", help="also time single qlinear calls in cache")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also time prefill steps of N tokens (alternated, 20 rounds)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if quantize(np.ones((4, 32), np.float32), "int4").packed_bytes == 0:
@@ -115,6 +137,8 @@ def main() -> None:
     res = dict(model=a.model or a.synthetic, simd=K.simd_name(), threads=a.threads, streams=a.streams,
                steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
                decode=decode(path, a.threads, a.steps, a.prompt, a.streams))
+    if a.prefill:
+        res["prefill"] = prefill(path, a.threads, 20, a.prefill)
     if a.kernels:
         res["kernels"] = kernels(1)
     if a.json:
@@ -124,6 +148,10 @@ def main() -> None:
     print(f"{res['model']} ({res['simd']}, {a.threads} threads, {a.streams} stream(s), load {res['load']:.1f}): "
           f"median step rows {d['rows_ms']:.3f} ms, packed {d['packed_ms']:.3f} ms: {d['speedup']:.3f}x "
           f"({d['tok_s_rows']:.1f} -> {d['tok_s_packed']:.1f} tok/s)")
+    if "prefill" in res:
+        f = res["prefill"]
+        print(f"  prefill of {f['tokens']} tokens: rows {f['rows_tok_s']:.0f} tok/s, packed {f['packed_tok_s']:.0f} tok/s: "
+              f"{f['speedup']:.3f}x")
     for k in res.get("kernels", []):
         print(f"  {k['shape']:>9} x {k['tokens']} tokens: rows {k['rows_us']:7.2f} us, packed {k['packed_us']:7.2f} us, "
               f"{k['speedup']:.2f}x")

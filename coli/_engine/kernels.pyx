@@ -105,6 +105,7 @@ cdef extern from "simd_q.h" nogil:
 cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a change rebuilds)
     long coli_xe_ld(int fmt, int M, int K)
     void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde)
+    long coli_q4x_xe_ld(int M, int K)
     long coli_q4x_tile_bytes(int fmt, int K)
     void coli_q4x_pack(const coli_mat *W, int N, int K, uint8_t *pk)
     void coli_q4x_unpack(const uint8_t *pk, int fmt, int N, int K, uint8_t *wq, long ldw, uint16_t *wd,

@@ -105,8 +105,8 @@ cdef class QMatrix:
         return (self.rows + 3) // 4 * coli_q4x_tile_bytes(self.fmt, self.cols)
 
     def pack(self, out=None):
-        """Hold an int4 / int4s matrix in the 4-row tiles of this SIMD path's fastest tile
-        (AVX-512 VNNI; same results, bit for bit, as its multi-token tiles on the rows), in
+        """Hold an int4 / int4s matrix in the 4-row tiles of this SIMD path's fastest tiles
+        (AVX-512 VNNI: the same bits as its multi-token tiles on the rows; AVX2), in
         ``out`` (a uint8 array of ``packed_bytes`` on a 64-byte boundary, which the matrix then
         keeps alive) or a buffer of its own, dropping the row arrays. Returns whether it did:
         other formats, other paths and packed matrices stay as they are."""
@@ -406,6 +406,8 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
     cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
     cdef int chunk
+    if packed and lde == 0:  # (AVX2: only packed matrices take arranged activations, below the GEMM's size)
+        lde = coli_q4x_xe_ld(M, K)
     if lde and M * lde > XE_MAX_BYTES:
         if not packed:
             lde = 0

@@ -743,8 +743,11 @@ static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const in
  * blocks, and each 4-byte piece of a row broadcast against the 8 tokens' same 4 elements,
  * so maddubs, int16 adds and one madd give a group's dot product for 8 tokens with no
  * horizontal sums; a scale per token and one per row then make it float. */
+static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, int cn, int kc, uint8_t *wb,
+                                  float *ws, float *wmn);
+
 static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                                long ldw, long ldd, int nb, int N, float *Y, long ldy) {
+                                long ldw, long ldd, int nb, int N, float *Y, long ldy, const coli_mat *P) {
     enum { KC = COLI_Q4GEMM8_KC, TB = COLI_Q4GEMM8_TB, NR = COLI_Q4GEMM8_NR };
     _Alignas(64) int8_t xb[TB][KC * 256];
     _Alignas(64) float dxb[TB][KC * 8];
@@ -752,7 +755,7 @@ static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, con
     _Alignas(64) float accb[NR / 4][TB][4 * 8];
     _Alignas(64) uint8_t wb[4 * KC * 32];
     _Alignas(64) float ws[4 * KC], wmn[4 * KC];
-    const int asym = wm != NULL;
+    const int asym = P != NULL ? P->fmt == COLI_Q4A : wm != NULL;
     const __m128i m4 = _mm_set1_epi8(0x0F);
     for (int n0 = 0; n0 < N; n0 += NR) {
         int nr = N - n0 < NR ? N - n0 : NR;
@@ -765,7 +768,9 @@ static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, con
                     coli_q4gemm8_acts(a, t0, nt, c0, cn, asym, xb[tb], dxb[tb], xob[tb]);
                 }
                 for (int r0 = 0; r0 < nr; r0 += 4) {
-                    for (int r = 0; r < 4; r++) { /* rows past nr repeat the last one; dropped below */
+                    if (P != NULL) /* a packed tile: its 4 rows' groups by one transpose per step */
+                        coli_q4x_rows4(P->pk + ((n0 + r0) / 4) * P->pks, P->fmt, nb, c0, cn, KC, wb, ws, wmn);
+                    for (int r = 0; r < 4 && P == NULL; r++) { /* rows past nr repeat the last one; dropped below */
                         long row = n0 + (r0 + r < nr ? r0 + r : nr - 1);
                         const uint8_t *wr = wq + row * ldw + (long)c0 * 16;
                         for (int g = 0; g < cn; g++) {
@@ -967,16 +972,24 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
 #if defined(COLI_Q4GEMM8_OK)
         if ((M >= COLI_Q4GEMM8_MIN || (Mcall >= COLI_Q4GEMM8_MIN && M >= COLI_Q4GEMM8_FEW)) &&
             (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {
-            coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy);
+            if (W->pk != NULL) { /* packed: the rows' groups gathered from the tiles */
+                coli_mat P = *W;
+                P.pk = W->pk + (n0 / 4) * W->pks;
+                coli_q4gemm8(a, M, NULL, NULL, NULL, 0, 0, ngroups, nb, Y + n0, ldy, &P);
+            } else {
+                coli_q4gemm8(a, M, wq, wd, wm, W->ldw, W->ldd, ngroups, nb, Y + n0, ldy, NULL);
+            }
+            return;
+        }
+#endif
+#if COLI_Q4X_TILES
+        if (W->pk != NULL) { /* repacked rows (n0 a multiple of 4; the caller arranged the activations) */
+            coli_q4x_packed(a, M, W, n0, nb, K, Y, ldy);
             return;
         }
 #endif
         int n = 0;
 #if defined(COLI_Q512)
-        if (W->pk != NULL) { /* repacked rows (n0 a multiple of 4; the caller arranged the activations) */
-            coli_q4x_packed(a, M, W, n0, nb, K, Y, ldy);
-            return;
-        }
         if (a->xe != NULL && M >= COLI_XT_MIN) /* several tokens: 4 interleaved rows at a time */
             for (; n + 4 <= nb; n += 4)
                 for (int m = 0; m < M; m += COLI_XT_MR) {

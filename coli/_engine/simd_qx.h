@@ -23,8 +23,9 @@
  * arithmetic is the interleaved tile's, operation for operation, so a token's result has the
  * same bits as there (the rows past a multiple of 4 go through the tile too, where a matrix in
  * rows takes the plain tiles). The functions here are plain C on every path (a packed matrix
- * still reads as rows: coli_q4x_row); only the AVX-512 VNNI path computes on the tiles
- * (COLI_Q4X_TILES), so only there does QMatrix.pack repack. */
+ * still reads as rows: coli_q4x_row); the AVX-512 VNNI path computes on the tiles below, the
+ * AVX2 paths (avx2, and avx512 without VNNI) on their own tiles over the same bytes (further
+ * down), and only where a path has them (COLI_Q4X_TILES) does QMatrix.pack repack. */
 static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 : 72; } /* per group of 4 rows */
 
 /* Bytes of one 4-row tile of a K-column matrix. */
@@ -351,9 +352,204 @@ static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, 
 #define COLI_Q4X_ASYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 1)
 COLI_XTILES(coli_q4tile, COLI_Q4X_SYM)
 COLI_XTILES(coli_q4atile, COLI_Q4X_ASYM)
+static inline long coli_q4x_xe_ld(int M, int K) { return coli_xe_ld(COLI_Q4A, M, K); }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* ---- AVX2: the same packed tiles, half a step (2 groups) per 256-bit register -----------
+ * A packed step's 64-byte vectors hold group 4s + L in 128-bit lane L, so their first and last
+ * 32 bytes are two AVX2 registers of 2 groups each, rows in dwords: one and, one shift and
+ * one more and unpack 64 weights with no shuffle. The activations are arranged as on AVX-512
+ * VNNI (coli_expand_act below writes the same bytes), each half read as a register. vpmaddubsw
+ * multiplies the unsigned nibbles by the int8 activations into int16 pair sums, 8 of them
+ * summed in int16 per lane (|sum| <= 16 * 15 * 127 < 2^15: exact), one vpmaddwd then gives each
+ * int32 lane a whole (row, group) dot product, and a convert, a scale multiply and an fma per
+ * token serve 4 rows x 2 groups. A token's operations do not depend on its tile or slot, so
+ * its bits are the same alone, in a batch or in a verification. Only packed matrices take
+ * these tiles (the row layout keeps simd_q.h's), so only they take arranged activations. */
+#define COLI_XE_Q4 11 /* vectors of 64 bytes per token and step, as on AVX-512 VNNI */
+static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; } /* rows: none */
+/* Bytes of arranged activations a packed call of M tokens takes per token (0: none; from
+ * COLI_Q4GEMM8_MIN tokens on the token-lane GEMM reads the tiles instead, simd_q.h). */
+static inline long coli_q4x_xe_ld(int M, int K) {
+    return M >= COLI_Q4GEMM8_MIN ? 0 : ((K + QK - 1) / QK + 3) / 4 * COLI_XE_Q4 * 64L;
+}
+
+/* xe (M rows of lde bytes) = a's quantized activations arranged as coli_expand_act arranges
+ * them on AVX-512 VNNI (simd_qx.h above): per step, for each dword p of a group's first 16
+ * elements and then of its last 16, that dword broadcast over the 4 dwords of 128-bit lane L
+ * (group 4s + L); then the scales, 8 x the group sums (int32) and scale x sum, each
+ * broadcast over its lane; zeros past the last group. */
+static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
+    (void)fmt;
+    int nb = (K + QK - 1) / QK;
+    for (int i = 0; i < M; i++) {
+        const int8_t *xq = a->q + i * a->ldq;
+        const float *qd = a->qd + i * a->ldb;
+        const int32_t *qs = a->qs + i * a->ldb;
+        int8_t *o = xe + i * lde;
+        for (int s = 0; s < (nb + 3) / 4; s++, o += COLI_XE_Q4 * 64)
+            for (int L = 0; L < 4; L++) {
+                int g = 4 * s + L, ok = g < nb;
+                for (int p = 0; p < 8; p++) {
+                    int32_t v = 0;
+                    if (ok) memcpy(&v, xq + g * QK + (p < 4 ? 4 * p : 16 + 4 * (p - 4)), 4);
+                    for (int j = 0; j < 4; j++) memcpy(o + 64 * p + 16 * L + 4 * j, &v, 4);
+                }
+                float xs = ok ? qd[g] : 0.0f, xsum = ok ? qd[g] * (float)qs[g] : 0.0f;
+                int32_t sum8 = ok ? qs[g] * 8 : 0;
+                for (int j = 0; j < 4; j++) {
+                    memcpy(o + 8 * 64 + 16 * L + 4 * j, &xs, 4);
+                    memcpy(o + 9 * 64 + 16 * L + 4 * j, &sum8, 4);
+                    memcpy(o + 10 * 64 + 16 * L + 4 * j, &xsum, 4);
+                }
+            }
+    }
+}
+
+/* Half h of a packed step (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
+#define COLI_Q4XHALF256(MR, ASYM, MASKED, n2)                                                      \
+    {                                                                                              \
+        __m256i w[8];                                                                              \
+        for (int q = 0; q < 4; q++) {                                                              \
+            __m256i T = (MASKED) ? coli_q4x_load_part(p + 16 * gs * q + 32 * h, 16 * (n2))         \
+                                 : _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * q + 32 * h)); \
+            w[q] = _mm256_and_si256(T, m4);                                                        \
+            w[4 + q] = _mm256_and_si256(_mm256_srli_epi16(T, 4), m4);                              \
+        }                                                                                          \
+        __m256 ws = _mm256_cvtph_ps((MASKED) ? coli_q4x_load_half(p + 64 * gs + 16 * h, 8 * (n2))  \
+                                             : _mm_loadu_si128((const __m128i *)(const void *)(p + 256 + 16 * h))); \
+        __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps((MASKED) ? coli_q4x_load_half(p + 72 * gs + 16 * h, 8 * (n2)) \
+                                                             : _mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h))); \
+        for (int i = 0; i < MR; i++) {                                                             \
+            const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
+            __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_load_si256((const __m256i *)(const void *)o)); \
+            for (int q = 1; q < 8; q++)                                                            \
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64)))); \
+            __m256i d = _mm256_madd_epi16(s16, ones);                                              \
+            if (!ASYM) d = _mm256_sub_epi32(d, _mm256_load_si256((const __m256i *)(const void *)(o + 9 * 64))); \
+            __m256 sc = _mm256_mul_ps(ws, _mm256_load_ps((const float *)(const void *)(o + 8 * 64))); \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i]);                           \
+            if (ASYM) acc[i] = _mm256_fmadd_ps(wmn, _mm256_load_ps((const float *)(const void *)(o + 10 * 64)), acc[i]); \
+        }                                                                                          \
+    }
+
+/* n bytes (n <= 32, a multiple of 16) at p into a register, zeros after */
+static inline __m256i coli_q4x_load_part(const uint8_t *p, int n) {
+    __m128i lo = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return n > 16 ? _mm256_loadu_si256((const __m256i *)(const void *)p) : _mm256_zextsi128_si256(lo);
+}
+/* n bytes (8 or 16) of f16 at p, zeros after */
+static inline __m128i coli_q4x_load_half(const uint8_t *p, int n) {
+    return n > 8 ? _mm_loadu_si128((const __m128i *)(const void *)p) : _mm_loadl_epi64((const __m128i *)(const void *)p);
+}
+
+#define COLI_Q4X_AHEAD 4096 /* as on AVX-512 VNNI */
+
+/* The token-lane GEMM's view of one packed tile (simd_q.h, coli_q4gemm8): groups c0 .. c0 + cn
+ * (c0 a multiple of 4) of its 4 rows as unpacked nibbles (row r, group g at wb + (r * kc + g)
+ * * 32: 16 low nibbles, then 16 high), scales and mins as floats (ws / wmn[r * kc + g]). Each
+ * half step's 4 registers (row r's dword p of 2 groups) are transposed back into rows by 8
+ * unpacks, the inverse of the packing. */
+static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, int cn, int kc, uint8_t *wb,
+                                  float *ws, float *wmn) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const long gb = coli_q4x_group_bytes(fmt);
+    for (int g0 = 0; g0 < cn; g0 += 4) {
+        int s = (c0 + g0) / 4, n = nb - 4 * s < 4 ? nb - 4 * s : 4;
+        const uint8_t *o = tile + 4L * s * gb;
+        for (int h = 0; 2 * h < n; h++) {
+            int n2 = n - 2 * h < 2 ? n - 2 * h : 2;
+            __m256i A[4];
+            for (int p = 0; p < 4; p++)
+                A[p] = n == 4 ? _mm256_loadu_si256((const __m256i *)(const void *)(o + 64 * p + 32 * h))
+                              : coli_q4x_load_part(o + 16 * n * p + 32 * h, 16 * n2);
+            __m256i t0 = _mm256_unpacklo_epi32(A[0], A[1]), t1 = _mm256_unpackhi_epi32(A[0], A[1]);
+            __m256i t2 = _mm256_unpacklo_epi32(A[2], A[3]), t3 = _mm256_unpackhi_epi32(A[2], A[3]);
+            __m256i R[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            for (int r = 0; r < 4; r++) {
+                __m256i lo = _mm256_and_si256(R[r], m4), hi = _mm256_and_si256(_mm256_srli_epi16(R[r], 4), m4);
+                int g = g0 + 2 * h;
+                _mm256_store_si256((__m256i *)(void *)(wb + (r * kc + g) * 32), _mm256_permute2x128_si256(lo, hi, 0x20));
+                if (n2 == 2)
+                    _mm256_store_si256((__m256i *)(void *)(wb + (r * kc + g + 1) * 32),
+                                       _mm256_permute2x128_si256(lo, hi, 0x31));
+            }
+        }
+        for (int L = 0; L < n; L++)
+            for (int r = 0; r < 4; r++) {
+                uint16_t d, m = 0;
+                memcpy(&d, o + 64 * n + 2 * (4 * L + r), 2);
+                if (fmt == COLI_Q4A) memcpy(&m, o + 72 * n + 2 * (4 * L + r), 2);
+                ws[r * kc + g0 + L] = coli_f16_to_f32(d);
+                wmn[r * kc + g0 + L] = fmt == COLI_Q4A ? coli_f16_to_f32(m) : 0.0f;
+            }
+    }
+}
+/* MR tokens x the nr (<= 4) rows of one packed tile (AVX2). */
+#define COLI_Q4XTILE256_PK(NAME, MR, ASYM)                                                         \
+    static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
+        __m256 acc[MR];                                                                            \
+        for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                    \
+        const uint8_t *p = pk;                                                                     \
+        int b = 0;                                                                                 \
+        for (; b + 4 <= nb; b += 4, p += 4 * (ASYM ? 80 : 72)) {                                   \
+            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
+            const int gs = 4;                                                                      \
+            (void)gs;                                                                              \
+            for (int h = 0; h < 2; h++) COLI_Q4XHALF256(MR, ASYM, 0, 2)                            \
+        }                                                                                          \
+        if (b < nb) { /* a short last step of gs groups: its halves' registers zero past them */    \
+            const int gs = nb - b;                                                                 \
+            for (int h = 0; 2 * h < gs; h++) {                                                     \
+                const int n2 = gs - 2 * h < 2 ? gs - 2 * h : 2;                                    \
+                COLI_Q4XHALF256(MR, ASYM, 1, n2)                                                   \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1))); \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }                                                                                          \
+    }
+#define COLI_PKTILES256(NAME, ASYM)                                                                \
+    COLI_Q4XTILE256_PK(NAME, 1, ASYM) COLI_Q4XTILE256_PK(NAME, 2, ASYM) COLI_Q4XTILE256_PK(NAME, 3, ASYM) \
+    COLI_Q4XTILE256_PK(NAME, 4, ASYM)                                                              \
+    static inline void NAME##_pk(int mr, const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
+        switch (mr) {                                                                              \
+        case 1: NAME##_pk1(a, pk, nb, Y, ldy, nr); break;                                          \
+        case 2: NAME##_pk2(a, pk, nb, Y, ldy, nr); break;                                          \
+        case 3: NAME##_pk3(a, pk, nb, Y, ldy, nr); break;                                          \
+        default: NAME##_pk4(a, pk, nb, Y, ldy, nr); break;                                         \
+        }                                                                                          \
+    }
+COLI_PKTILES256(coli_q4tile, 0)
+COLI_PKTILES256(coli_q4atile, 1)
+#define COLI_Q4X_TILES 1
+#define COLI_Q4X_MR 4 /* tokens per tile: 8 weight registers, the masks and 4 accumulators fit in 16 */
+
+static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                   long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    for (int n = 0; n < nb; n += 4) {
+        const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
+        int nr = nb - n < 4 ? nb - n : 4;
+        for (int m = 0; m < M; m += COLI_Q4X_MR) {
+            int mr = M - m < COLI_Q4X_MR ? M - m : COLI_Q4X_MR;
+            coli_act sub = *a;
+            sub.xe = a->xe + m * a->lde;
+            float *y = Y + m * ldy + n0 + n;
+            if (W->fmt == COLI_Q4A)
+                coli_q4atile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
+            else
+                coli_q4tile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
+        }
+    }
+}
 #else
 #define COLI_Q4X_TILES 0
 static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
+static inline long coli_q4x_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
     (void)a; (void)M; (void)K; (void)fmt; (void)xe; (void)lde;
 }

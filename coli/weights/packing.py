@@ -1,9 +1,10 @@
 """Dense int4 matrices rearranged, once at load, into the tiles the kernels read fastest.
 
-On the AVX-512 VNNI path an int4 / int4s matrix can be held in 4-row tiles
-(``QMatrix.pack``; the layout is in coli/_engine/simd_qx.h): a one-token GEMV then
-spends no instructions rearranging weights, and the matrix is one sequential stream.
-Results are the same bits as the row layout's (the tiles are the same arithmetic).
+On the AVX-512 VNNI and AVX2 paths an int4 / int4s matrix can be held in 4-row tiles
+(``QMatrix.pack``; the layout is in coli/_engine/simd_qx.h): a decode step then spends no
+instructions rearranging weights, several tokens share each step's unpacking, and the
+matrix is one sequential stream. On AVX-512 VNNI the results are the same bits as the row
+layout's multi-token tiles; on AVX2 a token's bits are the same alone or in a batch.
 
 Only the matrices every decode step reads are packed: attention, dense and shared-expert
 MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
