@@ -239,3 +239,22 @@ def test_every_path_passes_the_packing_tests(path):
                        timeout=600, env={**os.environ, "COLI_SIMD": path})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
+
+
+def test_dropping_the_rows_file_pages_keeps_their_bytes(tmp_path):
+    """After packing, a converted model's rows are unmapped from the process (their pages stay
+    in the page cache): reading them again gives the same bytes; arrays in anonymous memory
+    are never touched."""
+    import mmap
+
+    from coli.weights.packing import drop_file_pages
+
+    data = np.random.default_rng(6).integers(0, 255, 3 * mmap.PAGESIZE + 100, dtype=np.uint8)
+    f = tmp_path / "rows.bin"
+    f.write_bytes(data.tobytes())
+    mm = np.memmap(f, dtype=np.uint8, mode="r")
+    view = mm[10:].view(np.uint8).reshape(-1, 2)  # as converted.py's views: slice, view, reshape
+    assert drop_file_pages([view]) == (3 * mmap.PAGESIZE + 90) // mmap.PAGESIZE * mmap.PAGESIZE - mmap.PAGESIZE
+    assert np.array_equal(np.asarray(mm), data) and np.array_equal(view.ravel(), data[10:])
+    anon = data.copy()
+    assert drop_file_pages([anon, None]) == 0 and np.array_equal(anon, data)

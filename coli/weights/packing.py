@@ -65,6 +65,42 @@ def dense_matrices(model) -> list:
     return list(seen.values())
 
 
+def _mapped_file(a: np.ndarray):
+    """The read-only file mapping (an np.memmap's mmap) that array ``a`` views, or None."""
+    b = a
+    while isinstance(b, np.ndarray):
+        mm = getattr(b, "_mmap", None) if isinstance(b, np.memmap) else None
+        if mm is not None:
+            return mm
+        b = b.base
+    return None
+
+
+def drop_file_pages(arrays) -> int:
+    """Unmap from this process the pages of file-mapped ``arrays`` (a converted model's rows,
+    once packed): their bytes stay in the page cache, and a later read maps them again from
+    it, so nothing changes but the resident size, which no longer counts the rows beside their
+    tiles. Arrays in anonymous memory are left alone (dropping those would lose them).
+    Returns the bytes advised."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    done = 0
+    for a in arrays:
+        mm = _mapped_file(a) if a is not None else None
+        if mm is None:
+            continue
+        start = a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the array only
+        hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                done += hi - lo
+            except (OSError, ValueError):  # a mapping that refuses: it only stays counted
+                pass
+    return done
+
+
 def pack_dense(model, env=None) -> int:
     """Pack the model's dense int4 matrices (unless ``COLI_PACK=0``); returns the bytes packed."""
     if not env_switch(ENV, env):
@@ -75,8 +111,10 @@ def pack_dense(model, env=None) -> int:
         return 0
     total = sum(-(-n // 64) * 64 for _, n in mats)  # each on a 64-byte boundary
     arena = huge_buffer(total)
-    off = 0
+    off, rows = 0, []
     for m, n in mats:
+        rows += (m.data, m.scales, m.mins)
         m.pack(arena[off: off + n])
         off += -(-n // 64) * 64
+    drop_file_pages(rows)  # at the end: a page fault maps the pages around it back in too
     return sum(n for _, n in mats)
