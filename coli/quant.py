@@ -179,18 +179,19 @@ def quantize(w: np.ndarray, fmt: str, stats: np.ndarray | None = None) -> K.QMat
 
 def dequantize(m: K.QMatrix) -> np.ndarray:
     """The float32 (rows, cols) matrix a QMatrix stands for (the NumPy twin of its format)."""
+    data, scales, mins = m.arrays()  # (a packed matrix unpacks once)
     if m.format == "f32":
-        return np.asarray(m.data)
+        return np.asarray(data)
     if m.format == "bf16":
-        return (m.data.astype(np.uint32) << 16).view(np.float32)
-    d = m.scales.astype(np.float32)[..., None]  # (N, nb, 1)
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    d = scales.astype(np.float32)[..., None]  # (N, nb, 1)
     if m.format == "int8":
-        w = m.data.reshape(m.rows, -1, QK).astype(np.float32) * d
+        w = data.reshape(m.rows, -1, QK).astype(np.float32) * d
     else:
-        p = m.data.reshape(m.rows, -1, 16)
+        p = data.reshape(m.rows, -1, 16)
         q = np.concatenate([p & 15, p >> 4], axis=-1).astype(np.float32)  # (N, nb, 32)
         if m.format == "int4":
-            w = q * d + m.mins.astype(np.float32)[..., None]
+            w = q * d + mins.astype(np.float32)[..., None]
         else:
             w = (q - 8) * d
     return w.reshape(m.rows, -1)[:, : m.cols]

@@ -258,3 +258,17 @@ def test_dropping_the_rows_file_pages_keeps_their_bytes(tmp_path):
     assert np.array_equal(np.asarray(mm), data) and np.array_equal(view.ravel(), data[10:])
     anon = data.copy()
     assert drop_file_pages([anon, None]) == 0 and np.array_equal(anon, data)
+
+
+@needs_tiles
+def test_an_expert_is_never_packed_and_arrays_unpack_once():
+    rng = np.random.default_rng(7)
+    gate, up = (quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4") for _ in range(2))
+    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "int4")
+    K.ExpertTable(1, 64, 8, K.FORMATS["int4"]).set(0, gate, up, down)
+    with pytest.raises(ValueError, match="ExpertTable"):
+        gate.pack()  # the table copied its row pointers
+    m = quantize(rng.standard_normal((12, 96)).astype(np.float32), "int4")
+    rows = tuple(a.copy() for a in m.arrays())
+    m.pack()
+    assert all(np.array_equal(a, b) for a, b in zip(m.arrays(), rows))

@@ -142,7 +142,8 @@ cdef long XE_MAX_BYTES = 16 << 20  # calls whose arranged activations would take
 
 def set_xe_max_bytes(long n):
     """Tune the largest arranged-activation scratch a multi-token quantized call may use
-    (0: never arrange; every call then takes the plain tiles)."""
+    (0: never arrange; every call on matrices in rows then takes the plain tiles, and a
+    packed matrix, which needs them, gets them 8 tokens at a time)."""
     global XE_MAX_BYTES
     XE_MAX_BYTES = n
 

@@ -56,6 +56,7 @@ cdef class QMatrix:
     cdef readonly int fmt, rows, cols
     cdef object _data, _scales, _mins
     cdef object _packed  # uint8 buffer holding m.pk, or None
+    cdef public bint in_table  # an ExpertTable points at its rows (then it is never packed)
 
     def __init__(self, int fmt, data, scales, int rows, int cols, mins=None):
         cdef int kp = padded(cols)
@@ -80,6 +81,7 @@ cdef class QMatrix:
             mins = None
         self.fmt, self.rows, self.cols, self._data, self._scales, self._mins = fmt, rows, cols, data, scales, mins
         self._packed = None
+        self.in_table = False
         self.m.fmt = fmt
         self.m.w = <const void *><size_t>data.ctypes.data
         self.m.d = <const uint16_t *><size_t>scales.ctypes.data if scales is not None else NULL
@@ -113,6 +115,8 @@ cdef class QMatrix:
         cdef long size = self.packed_bytes
         if size == 0:
             return False
+        if self.in_table:  # the table holds a copy of the row pointers this would free
+            raise ValueError("QMatrix.pack: the matrix is an expert of an ExpertTable, which reads its rows")
         if out is None:
             raw = np.empty(size + 64, np.uint8)
             out = raw[-raw.ctypes.data % 64:][:size]
@@ -140,6 +144,10 @@ cdef class QMatrix:
         with nogil:
             coli_q4x_unpack(self.m.pk, self.fmt, self.rows, self.cols, qp, kp // 2, dp, mp, kp // QK)
         return q, d, mn
+
+    def arrays(self):
+        """(data, scales, mins): the row arrays, unpacked once for a packed matrix."""
+        return self._unpacked() if self._packed is not None else (self._data, self._scales, self._mins)
 
     @property
     def data(self):
@@ -469,6 +477,7 @@ cdef class ExpertTable:
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is {q.format} ({q.rows}, {q.cols}), "
                                  f"expected {FORMAT_NAMES[self.fmt]} ({r}, {c})")
         self.mats[3 * e], self.mats[3 * e + 1], self.mats[3 * e + 2] = gate.m, up.m, down.m
+        gate.in_table = up.in_table = down.in_table = True
         self._keep[3 * e: 3 * e + 3] = [gate, up, down]
 
     def get(self, int e):

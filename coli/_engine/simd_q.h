@@ -743,8 +743,10 @@ static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const in
  * blocks, and each 4-byte piece of a row broadcast against the 8 tokens' same 4 elements,
  * so maddubs, int16 adds and one madd give a group's dot product for 8 tokens with no
  * horizontal sums; a scale per token and one per row then make it float. */
+#if defined(__FMA__) /* (simd_qx.h's AVX2 packed tiles; a path without them never packs) */
 static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, int cn, int kc, uint8_t *wb,
                                   float *ws, float *wmn);
+#endif
 
 static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                                 long ldw, long ldd, int nb, int N, float *Y, long ldy, const coli_mat *P) {
@@ -768,8 +770,10 @@ static inline void coli_q4gemm8(const coli_act *a, int M, const uint8_t *wq, con
                     coli_q4gemm8_acts(a, t0, nt, c0, cn, asym, xb[tb], dxb[tb], xob[tb]);
                 }
                 for (int r0 = 0; r0 < nr; r0 += 4) {
+#if defined(__FMA__)
                     if (P != NULL) /* a packed tile: its 4 rows' groups by one transpose per step */
                         coli_q4x_rows4(P->pk + ((n0 + r0) / 4) * P->pks, P->fmt, nb, c0, cn, KC, wb, ws, wmn);
+#endif
                     for (int r = 0; r < 4 && P == NULL; r++) { /* rows past nr repeat the last one; dropped below */
                         long row = n0 + (r0 + r < nr ? r0 + r : nr - 1);
                         const uint8_t *wr = wq + row * ldw + (long)c0 * 16;
@@ -968,7 +972,7 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
     } else {
         int ngroups = (K + QK - 1) / QK;
         const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
-        const uint16_t *wd = W->d + n0 * W->ldd, *wm = W->m ? W->m + n0 * W->ldd : NULL;
+        const uint16_t *wd = W->d ? W->d + n0 * W->ldd : NULL, *wm = W->m ? W->m + n0 * W->ldd : NULL;
 #if defined(COLI_Q4GEMM8_OK)
         if ((M >= COLI_Q4GEMM8_MIN || (Mcall >= COLI_Q4GEMM8_MIN && M >= COLI_Q4GEMM8_FEW)) &&
             (W->fmt == COLI_Q4 || W->fmt == COLI_Q4A)) {

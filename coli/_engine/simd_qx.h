@@ -264,7 +264,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         if (!(MASKED)) /* a step's 5 lines, COLI_Q4X_AHEAD bytes ahead */                         \
             for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
         for (int q = 0; q < 4; q++) {                                                              \
-            __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
+            __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((n) >= 4 ? ~0ull : (1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
                                  : _mm512_loadu_si512((const void *)(p + 64 * q));                 \
             w[q] = _mm512_and_si512(T, m4);                                                        \
             w[4 + q] = _mm512_and_si512(_mm512_srli_epi16(T, 4), m4);                              \

@@ -59,7 +59,7 @@ MATRIX_KEYS = ("data", "scales", "mins")
 
 
 def _matrix_arrays(m: K.QMatrix) -> list[np.ndarray]:
-    return [m.data] + ([m.scales] if m.scales is not None else []) + ([m.mins] if m.mins is not None else [])
+    return [a for a in m.arrays() if a is not None]
 
 
 class ConvertedWriter:

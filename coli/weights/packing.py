@@ -111,10 +111,13 @@ def pack_dense(model, env=None) -> int:
         return 0
     total = sum(-(-n // 64) * 64 for _, n in mats)  # each on a 64-byte boundary
     arena = huge_buffer(total)
-    off, rows = 0, []
+    off, mapped = 0, []
     for m, n in mats:
-        rows += (m.data, m.scales, m.mins)
+        # a file's rows are kept as views until the end (a page fault maps the pages around it
+        # back in too); rows in anonymous memory are freed as each matrix is packed, so the
+        # load never holds all the rows and all the tiles at once
+        mapped += [a for a in m.arrays() if a is not None and _mapped_file(a) is not None]
         m.pack(arena[off: off + n])
         off += -(-n // 64) * 64
-    drop_file_pages(rows)  # at the end: a page fault maps the pages around it back in too
+    drop_file_pages(mapped)
     return sum(n for _, n in mats)
