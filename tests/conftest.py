@@ -130,3 +130,14 @@ def hf_models(tmp_path_factory):
 
 def prompt_ids(n: int = 16, vocab: int = 160, seed: int = 1) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=n)]
+
+
+def require_path(path: str) -> None:
+    """Skip (with how to enable it) unless this build has SIMD path ``path`` and the CPU can run it."""
+    from coli._engine import dispatch
+
+    if path not in dispatch.built():
+        pytest.skip(f"this build has no {path} kernels (see COLI_SIMD_TARGETS in setup.py)")
+    missing = sorted(dispatch.NEEDS[path] - dispatch.cpu_features())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {path} path cannot run here")

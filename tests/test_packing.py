@@ -20,7 +20,7 @@ from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
 from coli.quant import dequantize, quantize, reference_qlinear
 from coli.weights.packing import dense_matrices, huge_buffer, pack_dense
-from tests.conftest import make_hf_model
+from tests.conftest import make_hf_model, require_path
 from tests.test_errors import assert_one_line_error, coli_cli
 
 PACKS = quantize(np.ones((4, 32), np.float32), "int4").packed_bytes > 0
@@ -229,11 +229,7 @@ def test_every_path_passes_the_packing_tests(path):
     """This file, forced onto each SIMD path the CPU and the build have (in a process of its own)."""
     if path == K.simd_name() or os.environ.get("COLI_SIMD"):
         pytest.skip("this process runs the file on its own path")
-    if path not in dispatch.built():
-        pytest.skip(f"this build has no {path} kernels (see COLI_SIMD_TARGETS in setup.py)")
-    missing = sorted(dispatch.NEEDS[path] - dispatch.cpu_features())
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {path} path cannot run here")
+    require_path(path)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_packing.py",
                         "-k", "not every_path and not the_switch"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env={**os.environ, "COLI_SIMD": path})

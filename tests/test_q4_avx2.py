@@ -17,6 +17,7 @@ import pytest
 from coli._engine import dispatch
 from coli._engine import kernels as K
 from coli.quant import quantize, reference_qlinear
+from tests.conftest import require_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [  # M tokens, N rows, K columns
@@ -90,11 +91,7 @@ def test_every_path(path):
     """This file's tests on each SIMD path, forced, in a process of its own (1 thread)."""
     if os.environ.get("COLI_SIMD"):
         pytest.skip("already running under a forced path")
-    if path not in dispatch.built():
-        pytest.skip(f"this build has no {path} kernels (see COLI_SIMD_TARGETS in setup.py)")
-    missing = sorted(dispatch.NEEDS[path] - dispatch.cpu_features())
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {path} path cannot run here")
+    require_path(path)
     env = dict(os.environ, COLI_SIMD=path)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
                         "1thread and not test_every_path", __file__],

@@ -328,26 +328,7 @@ COLI_PKTILES(coli_q4tile, 0)
 COLI_PKTILES(coli_q4atile, 1)
 #define COLI_Q4X_TILES 1 /* this path computes on repacked matrices (QMatrix.pack repacks) */
 
-/* Y[m, n0 + n] for n < nb of a repacked matrix (n0 a multiple of 4) against the arranged
- * activations a->xe (required), up to COLI_XT_MR tokens a tile. */
-static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
-                                   long ldy) {
-    int ngroups = (K + QK - 1) / QK;
-    for (int n = 0; n < nb; n += 4) {
-        const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
-        int nr = nb - n < 4 ? nb - n : 4;
-        for (int m = 0; m < M; m += COLI_XT_MR) {
-            int mr = M - m < COLI_XT_MR ? M - m : COLI_XT_MR;
-            coli_act sub = *a;
-            sub.xe = a->xe + m * a->lde;
-            float *y = Y + m * ldy + n0 + n;
-            if (W->fmt == COLI_Q4A)
-                coli_q4atile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
-            else
-                coli_q4tile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
-        }
-    }
-}
+#define COLI_Q4X_MR COLI_XT_MR /* tokens per packed tile */
 #define COLI_Q4X_SYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 0)
 #define COLI_Q4X_ASYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 1)
 COLI_XTILES(coli_q4tile, COLI_Q4X_SYM)
@@ -528,6 +509,18 @@ COLI_PKTILES256(coli_q4atile, 1)
 #define COLI_Q4X_TILES 1
 #define COLI_Q4X_MR 4 /* tokens per tile: 8 weight registers, the masks and 4 accumulators fit in 16 */
 
+#else
+#define COLI_Q4X_TILES 0
+static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
+static inline long coli_q4x_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
+static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
+    (void)a; (void)M; (void)K; (void)fmt; (void)xe; (void)lde;
+}
+#endif
+
+#if COLI_Q4X_TILES
+/* Y[m, n0 + n] for n < nb of a repacked matrix (n0 a multiple of 4) against the arranged
+ * activations a->xe (required), up to COLI_Q4X_MR tokens a tile (this path's tiles above). */
 static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                    long ldy) {
     int ngroups = (K + QK - 1) / QK;
@@ -545,13 +538,6 @@ static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, 
                 coli_q4tile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
         }
     }
-}
-#else
-#define COLI_Q4X_TILES 0
-static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
-static inline long coli_q4x_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
-static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
-    (void)a; (void)M; (void)K; (void)fmt; (void)xe; (void)lde;
 }
 #endif
 
