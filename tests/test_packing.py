@@ -213,6 +213,10 @@ def test_whole_tiles_give_identical_logits_on_a_converted_model(tmp_path, monkey
     assert any(m.packed for m in dense_matrices(packed.engine.model))
     for r, p in zip(_steps(rows), _steps(packed)):
         np.testing.assert_array_equal(p, r)
+    # the norms were copied out of the file mapping (reading them must not map the rows back in)
+    net, dense = packed.engine.model, packed.weights._dense
+    assert not np.shares_memory(net.norm, dense) and not np.shares_memory(net.layers[0].input_norm, dense)
+    assert np.shares_memory(net.embed.data, dense)  # (an int8 table stays mapped)
 
 
 def test_the_switch(monkeypatch, tmp_path):

@@ -209,7 +209,11 @@ class ConvertedWeights(Weights):
         if e["kind"] != "f32" or tuple(e["shape"]) != tuple(shape):
             raise ModelLoadError(f"{self.dir / MANIFEST}: tensor {name!r} is {e['kind']} {e.get('shape')}, "
                                  f"expected f32 {list(shape)}")
-        return self._view(e["data"], np.float32).reshape(shape)
+        a = self._view(e["data"], np.float32).reshape(shape)
+        # Norms and biases (small) are copied out of the mapping: read every step, each would map
+        # the large page-cache page around it, and with it the rows of the matrices beside it that
+        # packing (coli.weights.packing) has replaced by tiles and unmapped.
+        return a.copy() if a.nbytes <= SMALL_F32 else a
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -246,6 +250,8 @@ def _upgrade_v1(m: dict) -> None:
             e["fmt"] = rename(e["fmt"], e["fmt"])
     m["version"] = FORMAT_VERSION
 
+
+SMALL_F32 = 1 << 20  # f32 tensors up to this size are copied into memory at load (see ConvertedWeights)
 
 DTYPE_OF = {"f32": np.float32, "bf16": np.uint16, "int8": np.int8, "int4": np.uint8, "int4s": np.uint8}
 
