@@ -11,8 +11,9 @@ whose order flips every step) for --steps steps each, so both see the same machi
 same cache pressure: on a shared machine the speed of one setting drifts by 20% from minute
 to minute, far more than the difference measured. Reported: the median step of each and
 the ratio; then, with --kernels, one qlinear call per shape of a 576-wide model at 1..8
-tokens with the matrix in cache (the compute alone). Needs an AVX-512 VNNI CPU (the only
-path with packed tiles).
+tokens with the matrix in cache (the compute alone). Needs a path with packed tiles
+(AVX-512 VNNI, AVX2, AVX-512; COLI_SIMD=avx2 forces AVX2). Both models stay loaded for the
+decode and the prefill steps.
 """
 from __future__ import annotations
 
@@ -42,11 +43,10 @@ def _load(path: str, threads: int, pack: bool):
         os.environ.pop("COLI_PACK", None)
 
 
-def decode(path: str, threads: int, steps: int, prompt: int, streams: int) -> dict:
+def decode(engines: dict, steps: int, prompt: int, streams: int) -> dict:
+    """Decode steps of ``streams`` sequences, the two settings in turn."""
     runs = {}
-    for pack in (False, True):
-        m = _load(path, threads, pack)
-        eng = m.engine
+    for pack, eng in engines.items():
         caches = [eng.new_cache(prompt + 8) for _ in range(streams)]
         for i, c in enumerate(caches):
             eng.step([(c, [(7 * i + j) % 100 + 2 for j in range(prompt)])])
@@ -66,11 +66,10 @@ def decode(path: str, threads: int, steps: int, prompt: int, streams: int) -> di
                 tok_s_rows=streams / rows, tok_s_packed=streams / packed)
 
 
-def prefill(path: str, threads: int, rounds: int, tokens: int) -> dict:
+def prefill(engines: dict, rounds: int, tokens: int) -> dict:
     """One prefill step of ``tokens`` tokens on each setting in turn, ``rounds`` times."""
     runs = {}
-    for pack in (False, True):
-        eng = _load(path, threads, pack).engine
+    for pack, eng in engines.items():
         runs[pack] = (eng, eng.new_cache(tokens + 8), [])
     ids = [(7 * j) % 100 + 2 for j in range(tokens)]
     for i in range(rounds + 1):
@@ -125,7 +124,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if quantize(np.ones((4, 32), np.float32), "int4").packed_bytes == 0:
-        sys.exit(f"bench_packing: the {K.simd_name()} path has no packed tiles (AVX-512 VNNI only)")
+        sys.exit(f"bench_packing: the {K.simd_name()} path has no packed tiles (AVX-512 VNNI and AVX2 have)")
     tmp = None
     path = a.model
     if a.synthetic:
@@ -134,11 +133,12 @@ def main() -> None:
     if not path:
         sys.exit("bench_packing: give -m MODEL or --synthetic NAME")
     os.environ.setdefault("COLI_ADAPTIVE_THREADS", "0")  # the same thread count all along
+    engines = {pack: _load(path, a.threads, pack).engine for pack in (False, True)}
     res = dict(model=a.model or a.synthetic, simd=K.simd_name(), threads=a.threads, streams=a.streams,
                steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
-               decode=decode(path, a.threads, a.steps, a.prompt, a.streams))
+               decode=decode(engines, a.steps, a.prompt, a.streams))
     if a.prefill:
-        res["prefill"] = prefill(path, a.threads, 20, a.prefill)
+        res["prefill"] = prefill(engines, 20, a.prefill)
     if a.kernels:
         res["kernels"] = kernels(1)
     if a.json:

@@ -18,7 +18,6 @@ from coli.config import ModelConfig
 from coli.engine import Engine, KVCache
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
-from coli.weights.packing import pack_dense
 from coli.plan import check_before_load
 from coli.quant import check_format
 from coli.sampling import Sampler, SamplingParams
@@ -27,6 +26,7 @@ from coli.tokenizer import IncrementalDetokenizer, Tokenizer
 from coli.weights.safetensors import Checkpoint
 from coli.weights.converted import ConvertedWeights, is_converted
 from coli.weights.gguf import is_gguf, open_gguf
+from coli.weights.packing import pack_dense
 from coli.weights.source import HFWeights
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"

@@ -301,6 +301,6 @@ def _dense_bytes(model: DecoderLM) -> int:
             elif hasattr(v, "mat"):  # Linear
                 add(v.mat)  # (QMatrix.nbytes: its arrays, or its tiles when packed)
                 add(getattr(v, "bias", None))
-            elif hasattr(v, "fmt") and hasattr(v, "packed_bytes"):  # QMatrix (its data would unpack a packed one)
+            elif isinstance(v, K.QMatrix):
                 add(v)
     return total

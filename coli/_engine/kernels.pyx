@@ -894,4 +894,3 @@ def release_threads():
     between regions, which halves a decode step on a small machine. The next parallel
     region of the calling thread starts fresh workers. Returns 0 on success."""
     return coli_omp_release()
-

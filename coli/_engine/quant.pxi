@@ -151,15 +151,15 @@ cdef class QMatrix:
 
     @property
     def data(self):
-        return self._unpacked()[0] if self._packed is not None else self._data
+        return self.arrays()[0]
 
     @property
     def scales(self):
-        return self._unpacked()[1] if self._packed is not None else self._scales
+        return self.arrays()[1]
 
     @property
     def mins(self):
-        return self._unpacked()[2] if self._packed is not None else self._mins
+        return self.arrays()[2]
 
     @property
     def nbytes(self):

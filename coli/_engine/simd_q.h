@@ -971,7 +971,7 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
         coli_gemm_bf16(a->x, a->ldx, M, (const uint16_t *)W->w + n0 * W->ldw, W->ldw, nb, K, Y + n0, ldy);
     } else {
         int ngroups = (K + QK - 1) / QK;
-        const uint8_t *wq = (const uint8_t *)W->w + n0 * W->ldw;
+        const uint8_t *wq = W->w ? (const uint8_t *)W->w + n0 * W->ldw : NULL; /* (NULL: packed) */
         const uint16_t *wd = W->d ? W->d + n0 * W->ldd : NULL, *wm = W->m ? W->m + n0 * W->ldd : NULL;
 #if defined(COLI_Q4GEMM8_OK)
         if ((M >= COLI_Q4GEMM8_MIN || (Mcall >= COLI_Q4GEMM8_MIN && M >= COLI_Q4GEMM8_FEW)) &&

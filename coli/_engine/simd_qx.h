@@ -28,6 +28,13 @@
  * down), and only where a path has them (COLI_Q4X_TILES) does QMatrix.pack repack. */
 static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 : 72; } /* per group of 4 rows */
 
+/* Bytes ahead of a step that the packed tiles prefetch into L1: ~13 steps, most of a 576-column
+ * tile or the start of the next (the matrix is one stream). With SmolLM2-135M int4 at 2 threads
+ * on AVX-512 VNNI, decode steps alternated with the row layout's: 4096 and 6144 bytes 4-5%
+ * faster than the rows, 2560 and 8192 3%, no prefetch 14% slower, into L2 (T1) at 4096-16384 no
+ * better than the rows. The AVX2 tiles use the same distance. */
+#define COLI_Q4X_AHEAD 4096
+
 /* Bytes of one 4-row tile of a K-column matrix. */
 static inline long coli_q4x_tile_bytes(int fmt, int K) { return (K + QK - 1) / QK * coli_q4x_group_bytes(fmt); }
 
@@ -286,12 +293,6 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         p += (n) * (ASYM ? 80 : 72);                                                               \
     }
 
-/* Bytes ahead of a step that it prefetches into L1: ~13 steps, most of a 576-column tile or the
- * start of the next (the matrix is one stream). With SmolLM2-135M int4 at 2 threads, decode
- * steps alternated with the row layout's: 4096 and 6144 bytes 4-5% faster than the rows, 2560
- * and 8192 3%, no prefetch 14% slower, into L2 (T1) at 4096-16384 no better than the rows. */
-#define COLI_Q4X_AHEAD 4096
-
 /* MR tokens x the nr (<= 4) rows of one repacked tile. */
 #define COLI_Q4XTILE512_PK(NAME, MR, ASYM)                                                         \
     static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
@@ -386,8 +387,8 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
     }
 }
 
-/* Half h of a packed step (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
-#define COLI_Q4XHALF256(MR, ASYM, MASKED, n2)                                                      \
+/* Half h of a packed step of gs groups (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
+#define COLI_Q4XHALF256(MR, ASYM, MASKED, gs, n2)                                                      \
     {                                                                                              \
         __m256i w[8];                                                                              \
         for (int q = 0; q < 4; q++) {                                                              \
@@ -422,8 +423,6 @@ static inline __m256i coli_q4x_load_part(const uint8_t *p, int n) {
 static inline __m128i coli_q4x_load_half(const uint8_t *p, int n) {
     return n > 8 ? _mm_loadu_si128((const __m128i *)(const void *)p) : _mm_loadl_epi64((const __m128i *)(const void *)p);
 }
-
-#define COLI_Q4X_AHEAD 4096 /* as on AVX-512 VNNI */
 
 /* The token-lane GEMM's view of one packed tile (simd_q.h, coli_q4gemm8): groups c0 .. c0 + cn
  * (c0 a multiple of 4) of its 4 rows as unpacked nibbles (row r, group g at wb + (r * kc + g)
@@ -476,15 +475,13 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4, p += 4 * (ASYM ? 80 : 72)) {                                   \
             for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
-            const int gs = 4;                                                                      \
-            (void)gs;                                                                              \
-            for (int h = 0; h < 2; h++) COLI_Q4XHALF256(MR, ASYM, 0, 2)                            \
+            for (int h = 0; h < 2; h++) COLI_Q4XHALF256(MR, ASYM, 0, 4, 2)                         \
         }                                                                                          \
         if (b < nb) { /* a short last step of gs groups: its halves' registers zero past them */    \
             const int gs = nb - b;                                                                 \
             for (int h = 0; 2 * h < gs; h++) {                                                     \
                 const int n2 = gs - 2 * h < 2 ? gs - 2 * h : 2;                                    \
-                COLI_Q4XHALF256(MR, ASYM, 1, n2)                                                   \
+                COLI_Q4XHALF256(MR, ASYM, 1, gs, n2)                                               \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++) {                                                             \
