@@ -24,8 +24,41 @@ from coli.models.base import Batch, DecoderLM, RunState
 from coli.threads import ThreadGovernor, enabled
 
 
+def cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """The whole CPUs the cgroup's CPU quota grants (rounded up), None without a quota.
+
+    A container started with ``--cpus=2`` on a 32-core host still sees 32 CPUs in its
+    affinity mask, but the kernel throttles it to two cores' worth of time: 32 kernel threads
+    would wait for each other at every barrier. cgroup v2 (``cpu.max``: "quota period" or
+    "max period") and v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, -1: none)."""
+    def read(*parts):
+        try:
+            with open(os.path.join(root, *parts)) as f:
+                return f.read().split()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    pair = read("cpu.max")
+    if pair is None:
+        for d in ("cpu", "cpu,cpuacct"):
+            q, p = read(d, "cpu.cfs_quota_us"), read(d, "cpu.cfs_period_us")
+            if q and p:
+                pair = [q[0], p[0]]
+                break
+    if not pair or len(pair) < 2 or pair[0] == "max":
+        return None
+    try:
+        quota, period = int(pair[0]), int(pair[1])
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, -(-quota // period))
+
+
 def default_threads() -> int:
-    """COLI_THREADS if set, else the cores this process may run on."""
+    """COLI_THREADS if set, else the cores this process may run on (its affinity mask, and
+    no more than its cgroup's CPU quota grants)."""
     env = os.environ.get("COLI_THREADS")
     if env:
         try:
@@ -36,9 +69,11 @@ def default_threads() -> int:
             raise InvalidRequestError(f"COLI_THREADS={env!r} must be at least 1")
         return n
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+    quota = cpu_quota()
+    return min(n, quota) if quota else n
 
 
 def available_memory() -> int | None:

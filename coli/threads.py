@@ -12,10 +12,13 @@ each compared only with steps of as many tokens: a batch of four costs less per 
 one token alone) and now and then tries another thread count for a few steps, keeping it
 when it is clearly faster:
 
-- at the most threads (``--threads``): a trial of half as many every ``after`` steps (256 at
-  first, doubling up to MAX_AFTER while trials lose, so a quiet machine pays ~0.2% for them in
-  the long run), and at once when a window of steps runs STALL times slower than the best
-  window seen (the machine got busy);
+- at the most threads (``--threads``): one early trial of half as many after FIRST_TRIAL
+  steps (a machine busy from the start, or one that grants fewer cores than ``--threads``, as a
+  container's CPU quota does, can run two threads hundreds of times slower than one: waiting
+  256 such steps would take minutes), then one every ``after`` steps (256 at first, doubling up
+  to MAX_AFTER while trials lose, so a quiet machine pays ~0.2% for them in the long run), and
+  at once when a window of steps runs STALL times slower than the best window seen (the machine
+  got busy);
 - with fewer: a trial of twice as many every UP_AFTER steps (doubling up to MAX_UP_AFTER
   while trials lose),
   abandoned at its first step if that step alone is ABORT times the current pace, so a trial
@@ -36,7 +39,8 @@ from coli.config import env_switch
 ENV = "COLI_ADAPTIVE_THREADS"
 SMALL = 16  # steps of at most this many tokens are timed (decode); a prefill chunk is not
 WINDOW = 8  # timed steps per measurement (the current pace and each trial)
-FIRST_AFTER = 256  # steps at the most threads before the first trial of fewer
+FIRST_TRIAL = 2 * WINDOW  # timed steps at the most threads before the early trial of fewer
+FIRST_AFTER = 256  # ... then before the next one
 MAX_AFTER = 4096  # ... the longest wait between trials, after trials that lost
 UP_AFTER = 64  # steps with fewer threads before a trial of more
 MAX_UP_AFTER = 1024  # ... at most, so a machine that got quiet again is noticed within ~1000 steps
@@ -67,7 +71,7 @@ class ThreadGovernor:
         self.trial: tuple[int, dict[int, list[float]]] | None = None  # (count tried, its seconds by tokens)
         self.steps = 0  # timed steps so far
         self.since = 0  # ... since the last trial (or switch)
-        self.after = FIRST_AFTER
+        self.after = FIRST_TRIAL
         self.trials = self.switches = 0
 
     @property
@@ -144,7 +148,10 @@ class ThreadGovernor:
         # wait longer before the next trial, and take the pace as this count's norm: steps also
         # get slower for reasons fewer threads do not cure (a longer context), which must not
         # trigger a trial every window
-        self.after = min(2 * self.after, MAX_AFTER if self.n == self.max else MAX_UP_AFTER)
+        if self.n == self.max:  # (the early trial's loss: the periodic ones from FIRST_AFTER)
+            self.after = max(FIRST_AFTER, min(2 * self.after, MAX_AFTER))
+        else:
+            self.after = min(2 * self.after, MAX_UP_AFTER)
         for m, q in self.recent.items():
             if len(q) == WINDOW:
                 self.best[self.n, m] = statistics.median(q)
