@@ -1,7 +1,8 @@
-"""Packed int4 (QMatrix.pack, coli/weights/packing.py) against the row layout, side by side
-in one process.
+"""Packed int4 and int8 (QMatrix.pack, coli/weights/packing.py) against the row layout, side
+by side in one process.
 
     python benchmarks/bench_packing.py -m /work/models/smollm2-int4 --threads 2
+    COLI_SIMD=avx2 python benchmarks/bench_packing.py -m /work/models/smollm2-int8 --format int8 --kernels
     python benchmarks/bench_packing.py -m /work/models/smollm2-int4 --threads 2 --streams 4
     python benchmarks/bench_packing.py --synthetic olmoe-1b-7b --threads 2 --steps 60
 
@@ -11,9 +12,9 @@ whose order flips every step) for --steps steps each, so both see the same machi
 same cache pressure: on a shared machine the speed of one setting drifts by 20% from minute
 to minute, far more than the difference measured. Reported: the median step of each and
 the ratio; then, with --kernels, one qlinear call per shape of a 576-wide model at 1..8
-tokens with the matrix in cache (the compute alone). Needs a path with packed tiles
-(AVX-512 VNNI, AVX2, AVX-512; COLI_SIMD=avx2 forces AVX2). Both models stay loaded for the
-decode and the prefill steps.
+tokens with the matrix in cache (the compute alone). Needs a path with packed tiles for
+--format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX2; COLI_SIMD=avx2 forces AVX2). Both
+models stay loaded for the decode and the prefill steps.
 """
 from __future__ import annotations
 
@@ -85,13 +86,13 @@ def prefill(engines: dict, rounds: int, tokens: int) -> dict:
     return dict(tokens=tokens, rows_tok_s=tokens / rows, packed_tok_s=tokens / packed, speedup=rows / packed)
 
 
-def kernels(threads: int) -> list[dict]:
+def kernels(threads: int, fmt: str) -> list[dict]:
     K.set_num_threads(threads)
     rng = np.random.default_rng(0)
     out = []
     for rows, cols in ((576, 576), (192, 576), (1536, 576), (576, 1536)):
         w = rng.standard_normal((rows, cols)).astype(np.float32)
-        a, b = quantize(w, "int4"), quantize(w, "int4")
+        a, b = quantize(w, fmt), quantize(w, fmt)
         b.pack()
         for M in (1, 2, 4, 8):
             x = rng.standard_normal((M, cols)).astype(np.float32)
@@ -112,7 +113,9 @@ def kernels(threads: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", help="an int4 model (converted directory or GGUF)")
+    ap.add_argument("-m", "--model", help="an int4 or int8 model (converted directory or GGUF)")
+    ap.add_argument("--format", default="int4", choices=("int4", "int4s", "int8"),
+                    help="the model's format: what --synthetic writes, --kernels times and the path must pack")
     ap.add_argument("--synthetic", help="a seeded random-weight model instead: tiny, olmoe-mini, olmoe-1b-7b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=400, help="decode steps of each setting")
@@ -123,24 +126,25 @@ def main() -> None:
                     help="also time prefill steps of N tokens (alternated, 20 rounds)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if quantize(np.ones((4, 32), np.float32), "int4").packed_bytes == 0:
-        sys.exit(f"bench_packing: the {K.simd_name()} path has no packed tiles (AVX-512 VNNI and AVX2 have)")
+    if quantize(np.ones((4, 32), np.float32), a.format).packed_bytes == 0:
+        sys.exit(f"bench_packing: the {K.simd_name()} path has no packed {a.format} tiles "
+                 f"({'AVX2 has' if a.format == 'int8' else 'AVX-512 VNNI and AVX2 have'})")
     tmp = None
     path = a.model
     if a.synthetic:
         tmp = tempfile.TemporaryDirectory()
-        path = str(synthetic.write_converted(a.synthetic, os.path.join(tmp.name, a.synthetic), "int4", seed=0))
+        path = str(synthetic.write_converted(a.synthetic, os.path.join(tmp.name, a.synthetic), a.format, seed=0))
     if not path:
         sys.exit("bench_packing: give -m MODEL or --synthetic NAME")
     os.environ.setdefault("COLI_ADAPTIVE_THREADS", "0")  # the same thread count all along
     engines = {pack: _load(path, a.threads, pack).engine for pack in (False, True)}
-    res = dict(model=a.model or a.synthetic, simd=K.simd_name(), threads=a.threads, streams=a.streams,
+    res = dict(model=a.model or a.synthetic, format=a.format, simd=K.simd_name(), threads=a.threads, streams=a.streams,
                steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
                decode=decode(engines, a.steps, a.prompt, a.streams))
     if a.prefill:
         res["prefill"] = prefill(engines, 20, a.prefill)
     if a.kernels:
-        res["kernels"] = kernels(1)
+        res["kernels"] = kernels(1, a.format)
     if a.json:
         print(json.dumps(res, indent=1))
         return

@@ -1,9 +1,10 @@
-"""int4 matrices repacked into 4-row tiles (QMatrix.pack, coli/weights/packing.py): the same
-values read back; on AVX-512 VNNI the very bits of the row layout's multi-token tiles, on
-AVX2 (and AVX-512 without VNNI) the NumPy twin's values with a token's bits independent of
-its batch and the token-lane GEMM's bits unchanged; and a loaded model whose dense int4
-layers are packed gives the logits of the unpacked one. Every path this machine has runs
-this file (test_every_path_passes_the_packing_tests)."""
+"""int4 and int8 matrices repacked into 4-row tiles (QMatrix.pack, coli/weights/packing.py):
+the same values read back; int4 on AVX-512 VNNI the very bits of the row layout's multi-token
+tiles, on AVX2 (and AVX-512 without VNNI) the NumPy twin's values with a token's bits
+independent of its batch and the token-lane GEMM's bits unchanged; int8 on AVX2 the very bits
+of the row layout at every token count; and a loaded model whose dense layers are packed gives
+the logits of the unpacked one. Every path this machine has runs this file
+(test_every_path_passes_the_packing_tests)."""
 from __future__ import annotations
 
 import os
@@ -26,6 +27,9 @@ from tests.test_errors import assert_one_line_error, coli_cli
 PACKS = quantize(np.ones((4, 32), np.float32), "int4").packed_bytes > 0
 needs_tiles = pytest.mark.skipif(not PACKS, reason=f"the {K.simd_name()} path computes int4 on rows "
                                  "(the AVX2 and AVX-512 paths have the packed tiles)")
+PACKS8 = quantize(np.ones((4, 32), np.float32), "int8").packed_bytes > 0
+needs_tiles8 = pytest.mark.skipif(not PACKS8, reason=f"the {K.simd_name()} path computes int8 on rows "
+                                  "(the AVX2 path has the packed int8 tiles)")
 # AVX-512 VNNI: the packed tile is the row layout's multi-token tile, operation for operation
 EXACT = K.simd_name() == "avx512vnni" or (K.simd_name() == "native" and dispatch.NEEDS["avx512vnni"] <= dispatch.cpu_features())
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +96,51 @@ def test_packed_tiles_give_the_bits_of_the_row_tiles(fmt, rows, cols):
             np.testing.assert_array_equal(one[0], yb[-1])  # a token's bits do not depend on its batch
 
 
+@needs_tiles8
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_a_packed_int8_matrix_reads_back_and_gives_the_bits_of_the_rows(rows, cols):
+    """AVX2 int8: the tile is the row layout's tile with its registers loaded as they lie, and
+    the token-lane prefill tiles read the same block from it, so every token count (one-token
+    decode, a batch, a verification, a prefill) gets the very bits of the rows."""
+    rng = np.random.default_rng(rows * cols + 1)
+    a, b = _pair(rng, rows, cols, "int8")
+    assert np.array_equal(b.data, a.data) and np.array_equal(b.scales, a.scales) and b.mins is None
+    assert np.array_equal(dequantize(b), dequantize(a))
+    # 34 bytes per row and group, as in rows: only rows past a multiple of 4 and an odd last
+    # group of each tile are padding
+    assert b.nbytes == -(-rows // 4) * -(-K.padded(cols) // 64) * 4 * 2 * 34
+    ids = np.array([0, rows - 1, rows // 2, rows - 1], np.int32)
+    ea, eb = np.empty((4, cols), np.float32), np.empty((4, cols), np.float32)
+    K.embed_rows(ids, a, ea, 0.5)
+    K.embed_rows(ids, b, eb, 0.5)
+    assert np.array_equal(ea, eb)
+    for M in (1, 2, 3, 5, 6, 8, 9, 17, 64, 73):  # the x-tiles below 6 tokens, the row-lane tiles from 6
+        x = rng.standard_normal((M, cols)).astype(np.float32)
+        ya, yb = np.empty((M, rows), np.float32), np.empty((M, rows), np.float32)
+        K.qlinear(x, a, ya, None, *_scratch(M, cols))
+        K.qlinear(x, b, yb, None, *_scratch(M, cols))
+        np.testing.assert_array_equal(yb, ya)
+        ref = reference_qlinear(x, a)
+        np.testing.assert_allclose(yb, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_tiles8
+def test_packed_int8_in_grouped_calls_with_biases_and_the_gated_activation():
+    rng = np.random.default_rng(8)
+    H, I = 96, 130
+    pairs = [_pair(rng, I, H, "int8") for _ in range(2)]
+    bias = rng.standard_normal(I).astype(np.float32)
+    for M in (1, 5, 12):
+        x = rng.standard_normal((M, H)).astype(np.float32)
+        out = {}
+        for k in (0, 1):
+            g, u = np.empty((M, I), np.float32), np.empty((M, I), np.float32)
+            K.qlinear_many(x, (pairs[0][k], pairs[1][k]), (g, u), (bias, None), *_scratch(M, H), 0)
+            out[k] = g, u
+        for ra, rb in zip(out[0], out[1]):
+            np.testing.assert_array_equal(rb, ra)
+
+
 @needs_tiles
 def test_grouped_calls_biases_and_the_gated_activation_on_packed_matrices():
     rng = np.random.default_rng(3)
@@ -149,6 +198,8 @@ def test_pack_checks_its_buffer_and_experts_stay_in_rows():
         table.set(0, m, m, down)
     for fmt in ("f32", "bf16", "int8"):
         other = quantize(rng.standard_normal((8, 64)).astype(np.float32), fmt)
+        if fmt == "int8" and PACKS8:
+            continue  # (its own tests below)
         assert other.packed_bytes == 0 and not other.pack()
 
 
@@ -189,7 +240,8 @@ def test_a_model_with_packed_layers_gives_the_unpacked_logits(odd_llama, monkeyp
     mats = dense_matrices(net)
     assert all(m.packed for m in mats if m.format in ("int4", "int4s")) and any(m.packed for m in mats)
     assert net.layers[0].attn.q_proj.mat.packed and net.layers[1].mlp.down.mat.packed
-    assert net.lm_head.mat.packed == (head is not None)  # the tied table: embedding rows read from tiles
+    # the tied table (embedding rows read from tiles); the default head is int8, packed on AVX2
+    assert net.lm_head.mat.packed == (head is not None or PACKS8)
     # The rows past a multiple of 4 (and, off AVX-512 VNNI, every row) sum in another float
     # order than the row layout's tiles; the next layer's int8 activation rounding can turn such
     # a last-bit difference into one step of a group's grid, so the logits agree to the size of
@@ -198,6 +250,20 @@ def test_a_model_with_packed_layers_gives_the_unpacked_logits(odd_llama, monkeyp
         np.testing.assert_allclose(p, r, rtol=0, atol=0.05 * np.abs(r).max())
     assert packed.engine.resident_bytes()["dense"] == rows.engine.resident_bytes()["dense"] + sum(
         m.nbytes - quantize(np.zeros((m.rows, m.cols), np.float32), m.format).nbytes for m in mats if m.packed)
+
+
+@needs_tiles8
+@pytest.mark.parametrize("head", [None, "int8"])
+def test_a_model_with_packed_int8_layers_gives_the_very_logits(odd_llama, monkeypatch, head):
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(odd_llama, threads=2, quant="int8", head_quant=head)
+    assert not any(m.packed for m in dense_matrices(rows.engine.model))
+    monkeypatch.delenv("COLI_PACK")
+    packed = coli.load(odd_llama, threads=2, quant="int8", head_quant=head)
+    mats = dense_matrices(packed.engine.model)
+    assert all(m.packed for m in mats if m.format == "int8") and packed.engine.model.layers[1].mlp.up.mat.packed
+    for r, p in zip(_steps(rows), _steps(packed)):
+        np.testing.assert_array_equal(p, r)
 
 
 @needs_tiles

@@ -110,6 +110,9 @@ cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a ch
     void coli_q4x_pack(const coli_mat *W, int N, int K, uint8_t *pk)
     void coli_q4x_unpack(const uint8_t *pk, int fmt, int N, int K, uint8_t *wq, long ldw, uint16_t *wd,
                          uint16_t *wm, long ldd)
+    long coli_q8x_tile_bytes(int K)
+    void coli_q8x_pack(const coli_mat *W, int N, int K, uint8_t *pk)
+    void coli_q8x_unpack(const uint8_t *pk, int N, int K, int8_t *wq, long ldw, uint16_t *wd, long ldd)
     enum:
         COLI_Q4X_TILES
 

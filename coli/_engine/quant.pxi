@@ -15,6 +15,8 @@ cdef extern from "simd_q16.h" nogil:
     long coli_q16_xe_ld(int M, int K)
     void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde)
     void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
+    enum:
+        COLI_Q8X_TILES
 
 cdef int16_t *_q16 = NULL   # int16 activations of the current int8 GEMM, grown as needed
 cdef size_t _q16_cap = 0
@@ -49,9 +51,9 @@ cdef class QMatrix:
     int4s: data uint8 (rows, Kp/2), scales float16 (rows, Kp/32).
     int4: as int4s, plus mins float16 (rows, Kp/32). Kp = padded(cols).
 
-    ``pack()`` rearranges an int4 / int4s matrix into the 4-row tiles this SIMD path computes
-    on fastest (simd_qx.h), in place of its row arrays; ``data``, ``scales`` and ``mins`` then
-    unpack a copy on each read (the same values)."""
+    ``pack()`` rearranges an int4 / int4s (AVX-512 VNNI, AVX2) or int8 (AVX2) matrix into the
+    4-row tiles this SIMD path computes on fastest (simd_qx.h), in place of its row arrays;
+    ``data``, ``scales`` and ``mins`` then unpack a copy on each read (the same values)."""
     cdef coli_mat m
     cdef readonly int fmt, rows, cols
     cdef object _data, _scales, _mins
@@ -102,13 +104,18 @@ cdef class QMatrix:
     @property
     def packed_bytes(self):
         """Bytes ``pack`` would hold the matrix in (0: it keeps its rows on this path)."""
-        if self._packed is not None or not COLI_Q4X_TILES or self.fmt not in (COLI_Q4, COLI_Q4A):
+        if self._packed is not None:
             return 0
-        return (self.rows + 3) // 4 * coli_q4x_tile_bytes(self.fmt, self.cols)
+        if COLI_Q4X_TILES and self.fmt in (COLI_Q4, COLI_Q4A):
+            return (self.rows + 3) // 4 * coli_q4x_tile_bytes(self.fmt, self.cols)
+        if COLI_Q8X_TILES and self.fmt == COLI_Q8:
+            return (self.rows + 3) // 4 * coli_q8x_tile_bytes(self.cols)
+        return 0
 
     def pack(self, out=None):
-        """Hold an int4 / int4s matrix in the 4-row tiles of this SIMD path's fastest tiles
-        (AVX-512 VNNI: the same bits as its multi-token tiles on the rows; AVX2), in
+        """Hold an int4 / int4s matrix (AVX-512 VNNI, AVX2) or an int8 one (AVX2) in the 4-row
+        tiles of this SIMD path's fastest tiles (AVX-512 VNNI int4 and AVX2 int8: the same bits
+        as the multi-token tiles on the rows), in
         ``out`` (a uint8 array of ``packed_bytes`` on a 64-byte boundary, which the matrix then
         keeps alive) or a buffer of its own, dropping the row arrays. Returns whether it did:
         other formats, other paths and packed matrices stay as they are."""
@@ -124,17 +131,31 @@ cdef class QMatrix:
                 or not out.flags.c_contiguous or out.ctypes.data % 64):
             raise ValueError(f"QMatrix.pack: out must be {size} contiguous uint8 bytes on a 64-byte boundary")
         cdef uint8_t *pk = <uint8_t *><size_t>out.ctypes.data
+        cdef bint q8 = self.fmt == COLI_Q8
         with nogil:
-            coli_q4x_pack(&self.m, self.rows, self.cols, pk)
+            if q8:
+                coli_q8x_pack(&self.m, self.rows, self.cols, pk)
+            else:
+                coli_q4x_pack(&self.m, self.rows, self.cols, pk)
         self._packed = out
         self._data = self._scales = self._mins = None
         self.m.w, self.m.d, self.m.m = NULL, NULL, NULL
-        self.m.pk, self.m.pks = pk, coli_q4x_tile_bytes(self.fmt, self.cols)
+        self.m.pk = pk
+        self.m.pks = coli_q8x_tile_bytes(self.cols) if q8 else coli_q4x_tile_bytes(self.fmt, self.cols)
         return True
 
     def _unpacked(self):
         """The row arrays (data, scales, mins) of a packed matrix, unpacked afresh."""
         cdef int kp = padded(self.cols)
+        cdef int8_t *q8p
+        cdef uint16_t *d8p
+        if self.fmt == COLI_Q8:
+            q = np.empty((self.rows, kp), np.int8)
+            d = np.empty((self.rows, kp // QK), np.float16)
+            q8p, d8p = <int8_t *><size_t>q.ctypes.data, <uint16_t *><size_t>d.ctypes.data
+            with nogil:
+                coli_q8x_unpack(self.m.pk, self.rows, self.cols, q8p, kp, d8p, kp // QK)
+            return q, d, None
         q = np.empty((self.rows, kp // 2), np.uint8)
         d = np.empty((self.rows, kp // QK), np.float16)
         mn = np.empty((self.rows, kp // QK), np.float16) if self.fmt == COLI_Q4A else None
@@ -414,7 +435,8 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
     cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))
     cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
     cdef int chunk
-    if packed and lde == 0:  # (AVX2: only packed matrices take arranged activations, below the GEMM's size)
+    if packed and lde == 0 and fmt != COLI_Q8:  # (AVX2: only packed int4 matrices take arranged activations,
+        # below the GEMM's size; int8 arranges its int16 activations in any layout, _act16_arranged)
         lde = coli_q4x_xe_ld(M, K)
     if lde and M * lde > XE_MAX_BYTES:
         if not packed:

@@ -37,8 +37,8 @@ typedef struct {
     const uint16_t *m;  /* f16 group mins (Q4A), else NULL; laid out as d */
     long ldw;           /* elements of w per row (bytes for Q8/Q4) */
     long ldd;           /* scales per row */
-    const uint8_t *pk;  /* Q4 / Q4A repacked into 4-row tiles (simd_qx.h, coli_q4x_pack), or NULL;
-                           w, d and m are then NULL */
+    const uint8_t *pk;  /* Q4 / Q4A / Q8 repacked into 4-row tiles (simd_qx.h: coli_q4x_pack,
+                           coli_q8x_pack), or NULL; w, d and m are then NULL */
     long pks;           /* bytes of pk per 4-row tile */
 } coli_mat;
 
@@ -1042,6 +1042,8 @@ static inline void coli_dequant_row(const coli_mat *W, int r, int K, float *out)
         memcpy(out, (const float *)W->w + r * W->ldw, K * sizeof(float));
     } else if (W->fmt == COLI_BF16) {
         coli_widen_bf16((const uint16_t *)W->w + (long)r * W->ldw, K, out);
+    } else if (W->fmt == COLI_Q8 && W->pk != NULL) {
+        coli_q8x_row(W, r, K, out);
     } else if (W->fmt == COLI_Q8) {
         const int8_t *q = (const int8_t *)W->w + r * W->ldw;
         for (int k = 0; k < K; k++) out[k] = coli_f16_to_f32(W->d[r * W->ldd + k / QK]) * q[k];

@@ -639,6 +639,47 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
     }
 }
 
+/* MR tokens x the nr (<= 4) rows of one repacked tile (coli_q8x_pack): the tile above with its
+ * step's registers and scales loaded as they lie. */
+#define COLI_Q16XTILE_PK(MR)                                                                       \
+    static inline void coli_q16xtile_pk##MR(const uint8_t *xe, long lde, const uint8_t *pk, int nr, int nb, \
+                                            float *Y, long ldy) {                                  \
+        coli_q16f acc[MR];                                                                         \
+        for (int i = 0; i < MR; i++) acc[i] = COLI_Q16_FZERO();                                    \
+        const uint8_t *p = pk;                                                                     \
+        for (int s = 0; 2 * s < nb; s++, p += COLI_Q8X_STEP) {                                     \
+            coli_q16v Q[8];                                                                        \
+            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q8X_AHEAD + 64 * q), _MM_HINT_T0); \
+            for (int q = 0; q < 8; q++) Q[q] = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * q)); \
+            coli_q16f ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 256))); \
+            const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \
+            COLI_Q16X_TOKENS(MR)                                                                   \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }                                                                                          \
+    }
+
+COLI_Q16XTILE_PK(1) COLI_Q16XTILE_PK(2) COLI_Q16XTILE_PK(3) COLI_Q16XTILE_PK(4)
+COLI_Q16XTILE_PK(5) COLI_Q16XTILE_PK(6) COLI_Q16XTILE_PK(7) COLI_Q16XTILE_PK(8)
+
+static inline void coli_q16xtile_pk(int mr, const uint8_t *xe, long lde, const uint8_t *pk, int nr, int nb, float *Y,
+                                    long ldy) {
+    switch (mr) {
+    case 1: coli_q16xtile_pk1(xe, lde, pk, nr, nb, Y, ldy); break; /* same bits as in a batch */
+    case 2: coli_q16xtile_pk2(xe, lde, pk, nr, nb, Y, ldy); break;
+    case 3: coli_q16xtile_pk3(xe, lde, pk, nr, nb, Y, ldy); break;
+    case 4: coli_q16xtile_pk4(xe, lde, pk, nr, nb, Y, ldy); break;
+    case 5: coli_q16xtile_pk5(xe, lde, pk, nr, nb, Y, ldy); break;
+    case 6: coli_q16xtile_pk6(xe, lde, pk, nr, nb, Y, ldy); break;
+    case 7: coli_q16xtile_pk7(xe, lde, pk, nr, nb, Y, ldy); break;
+    default: coli_q16xtile_pk8(xe, lde, pk, nr, nb, Y, ldy); break;
+    }
+}
+#define COLI_Q8X_TILES 1 /* this path computes on repacked int8 matrices (QMatrix.pack repacks) */
+
 /* ---- many tokens x 8 rows, rows in lanes (AVX2 prefill) ---------------------------------
  * The tiles above broadcast each activation pair over its 128-bit lane in registers
  * (16 vpshufd per token and step, all on the shuffle port) and transpose and widen the
@@ -689,6 +730,28 @@ static inline void coli_q16r_prep(const int8_t *const *r, const uint16_t *const 
         uint16_t e[8];
         for (int j = 0; j < 8; j++) e[j] = d[j][c0 + g];
         _mm256_store_ps(ws + g * 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)e)));
+    }
+}
+
+/* coli_q16r_prep's block from two repacked tiles (rows 0-3 in ta, 4-7 in tb): each 16 bytes of
+ * a step's register are one pair of 4 rows twice (dwords 0-3: pair 8h + 2k, 4-7: the next),
+ * so widening them and joining the two tiles' halves gives the block's vectors directly. */
+static inline void coli_q16r_prep_pk(const uint8_t *ta, const uint8_t *tb, int c0, int cn, int32_t *S, float *ws) {
+    for (int g = 0; g < cn; g++) {
+        int G = c0 + g;
+        long o = (long)(G / 2) * COLI_Q8X_STEP;
+        const uint8_t *a = ta + o + 16 * (G % 2), *b = tb + o + 16 * (G % 2);
+        __m256i *s = (__m256i *)(void *)(S + g * 128);
+        for (int q = 0; q < 8; q++) { /* q = 4h + k: pairs 8h + 2k, 8h + 2k + 1 */
+            __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(a + 32 * q)));
+            __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b + 32 * q)));
+            int p0 = 8 * (q / 4) + 2 * (q % 4);
+            _mm256_store_si256(s + p0, _mm256_permute2x128_si256(wa, wb, 0x20));
+            _mm256_store_si256(s + p0 + 1, _mm256_permute2x128_si256(wa, wb, 0x31));
+        }
+        __m128i e = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(ta + o + 256 + 8 * (G % 2))),
+                                       _mm_loadl_epi64((const __m128i *)(const void *)(tb + o + 256 + 8 * (G % 2))));
+        _mm256_store_ps(ws + g * 8, _mm256_cvtph_ps(e));
     }
 }
 
@@ -756,10 +819,11 @@ static inline void coli_q16r_prep(const int8_t *const *r, const uint16_t *const 
 
 COLI_Q16RTILE(1) COLI_Q16RTILE(2) COLI_Q16RTILE(3) COLI_Q16RTILE(4)
 
-/* Y[m, n] = dot(act row m, W row n) for m < M, n < N (W: rows wq / wd, ldw / ldd apart): the
- * row-lane tiles, 8 rows x up to COLI_Q16R_TB tokens x COLI_Q16R_KC groups per block. */
+/* Y[m, n] = dot(act row m, W row n) for m < M, n < N (W: rows wq / wd, ldw / ldd apart, or
+ * repacked tiles pk, pks bytes apart, from row 0): the row-lane tiles, 8 rows x up to
+ * COLI_Q16R_TB tokens x COLI_Q16R_KC groups per block. */
 static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, const uint16_t *wd, long ldw,
-                                  long ldd, int N, int nb, float *Y, long ldy) {
+                                  long ldd, const uint8_t *pk, long pks, int N, int nb, float *Y, long ldy) {
     enum { KC = COLI_Q16R_KC, TB = COLI_Q16R_TB, MR = COLI_Q16R_MR };
     _Alignas(32) int32_t S[KC * 128];
     _Alignas(32) float ws[KC * 8];
@@ -768,7 +832,8 @@ static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, 
         int nr = N - n < 8 ? N - n : 8;
         const int8_t *r[8];
         const uint16_t *dr[8];
-        for (int j = 0; j < 8; j++) { /* rows past nr repeat the last one; dropped at the end */
+        const uint8_t *ta = pk ? pk + (n / 4) * pks : NULL, *tb = nr > 4 ? ta + pks : ta;
+        for (int j = 0; j < 8 && !pk; j++) { /* rows past nr repeat the last one; dropped at the end */
             long jj = n + (j < nr ? j : nr - 1);
             r[j] = wq + jj * ldw;
             dr[j] = wd + jj * ldd;
@@ -777,7 +842,10 @@ static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, 
             int tn = M - t0 < TB ? M - t0 : TB;
             for (int c0 = 0; c0 < nb; c0 += KC) {
                 int cn = nb - c0 < KC ? nb - c0 : KC, first = c0 == 0, last = c0 + cn == nb;
-                coli_q16r_prep(r, dr, c0, cn, S, ws);
+                if (pk)
+                    coli_q16r_prep_pk(ta, tb, c0, cn, S, ws);
+                else
+                    coli_q16r_prep(r, dr, c0, cn, S, ws);
                 for (int t = 0; t < tn; t += MR) {
                     const int16_t *q = a->q + (long)(t0 + t) * a->ldq;
                     const float *qd = a->qd + (long)(t0 + t) * a->ldb;
@@ -800,10 +868,26 @@ static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, 
 static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                  long ldy) {
     int ngroups = (K + QK - 1) / QK;
+    if (W->pk != NULL) { /* repacked (n0 a multiple of 4) */
+        const uint8_t *pk = W->pk + (n0 / 4) * W->pks;
+        if (M >= COLI_Q16R_MIN) {
+            coli_gemm_q16r(a, M, NULL, NULL, 0, 0, pk, W->pks, nb, ngroups, Y + n0, ldy);
+            return;
+        }
+        for (int n = 0; n < nb; n += 4) {
+            int nr = nb - n < 4 ? nb - n : 4;
+            for (int m = 0; m < M; m += COLI_Q16X_MR) {
+                int mr = M - m < COLI_Q16X_MR ? M - m : COLI_Q16X_MR;
+                coli_q16xtile_pk(mr, a->xe + (long)m * a->lde, a->lde, pk + (n / 4) * W->pks, nr, ngroups,
+                                 Y + (long)m * ldy + n0 + n, ldy);
+            }
+        }
+        return;
+    }
     const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
     const uint16_t *wd = W->d + (long)n0 * W->ldd;
     if (M >= COLI_Q16R_MIN) {
-        coli_gemm_q16r(a, M, wq, wd, W->ldw, W->ldd, nb, ngroups, Y + n0, ldy);
+        coli_gemm_q16r(a, M, wq, wd, W->ldw, W->ldd, NULL, 0, nb, ngroups, Y + n0, ldy);
         return;
     }
     for (int n = 0; n < nb; n += 4) {
@@ -841,6 +925,9 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
 
 #endif
 
+#ifndef COLI_Q8X_TILES
+#define COLI_Q8X_TILES 0 /* int8 keeps its rows on this path */
+#endif
 #if !defined(COLI_Q16X) && !defined(COLI_Q16V)
 /* The plain tiles (AVX-512, scalar): no arranged activations. */
 static inline long coli_q16_xe_ld(int M, int K) { (void)M; (void)K; return 0; }

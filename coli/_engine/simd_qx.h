@@ -104,6 +104,71 @@ static inline void coli_q4x_row(const coli_mat *W, int r, int K, float *out) {
     }
 }
 
+/* ---- Q8 repacked into 4-row tiles (the AVX2 path: QMatrix.pack) ---------------------------
+ * The AVX2 int8 tiles (simd_q16.h) spend most of a one-token step bringing 4 rows' groups
+ * into (row, group) lanes: 8 loads and 8 inserts, 16 unpacks, and a gather, convert and
+ * permute of the scales. A matrix read every decode step can be rearranged once instead, at load: tile t
+ * holds rows 4t .. 4t + 3 (zeros past the last row), step s its groups 2s, 2s + 1 (zeros for a
+ * missing last one) in COLI_Q8X_STEP bytes, exactly the registers those tiles' unpacks make:
+ *   bytes 32q + 16L + 8u + 2j + c (q = 4h + k < 8)   byte 16h + 4k + 2u + c of row 4t + j's
+ *                                                     group 2s + L (128-bit lane L)
+ *   bytes 256 + 2(4L + j)                             that group's f16 scale
+ * 34 bytes per row and group, as in rows. The step's arithmetic is the row tile's, operation
+ * for operation, so a token's result has the same bits from tiles as from rows; the token-lane
+ * prefill tiles read the same bytes back into their blocks (coli_q16r_prep_pk). These helpers
+ * are plain C on every path (a packed matrix still reads as rows: coli_q8x_row); only a path
+ * with the tiles (COLI_Q8X_TILES, simd_q16.h) packs. */
+#define COLI_Q8X_STEP 272
+#define COLI_Q8X_AHEAD 4096 /* bytes ahead that the packed tile prefetches, as the int4 tiles do */
+
+/* Bytes of one 4-row tile of a K-column matrix. */
+static inline long coli_q8x_tile_bytes(int K) { return (long)(((K + QK - 1) / QK + 1) / 2) * COLI_Q8X_STEP; }
+/* Where byte i of (row j of a tile, group g) lives in the tile, and where its scale does. */
+static inline long coli_q8x_at(int g, int j, int i) {
+    int h = i / 16, k = (i % 16) / 4, u = (i % 4) / 2, c = i % 2;
+    return (long)(g / 2) * COLI_Q8X_STEP + 32 * (4 * h + k) + 16 * (g % 2) + 8 * u + 2 * j + c;
+}
+static inline long coli_q8x_scale_at(int g, int j) { return (long)(g / 2) * COLI_Q8X_STEP + 256 + 2 * (4 * (g % 2) + j); }
+
+/* pk (N rounded up to 4 rows, coli_q8x_tile_bytes each) = W (COLI_Q8 rows [0, N)) repacked. */
+static inline void coli_q8x_pack(const coli_mat *W, int N, int K, uint8_t *pk) {
+    int nb = (K + QK - 1) / QK;
+    long pks = coli_q8x_tile_bytes(K);
+    const int8_t *wq = (const int8_t *)W->w;
+    memset(pk, 0, (size_t)((N + 3) / 4) * (size_t)pks);
+    for (int r = 0; r < N; r++) {
+        uint8_t *o = pk + (r / 4) * pks;
+        for (int g = 0; g < nb; g++) {
+            for (int i = 0; i < QK; i++) o[coli_q8x_at(g, r % 4, i)] = (uint8_t)wq[r * W->ldw + g * QK + i];
+            memcpy(o + coli_q8x_scale_at(g, r % 4), &W->d[r * W->ldd + g], 2);
+        }
+    }
+}
+
+/* The inverse for rows [0, N): wq (N, ldw) int8 (zeros after the groups), wd (N, ldd) f16. */
+static inline void coli_q8x_unpack(const uint8_t *pk, int N, int K, int8_t *wq, long ldw, uint16_t *wd, long ldd) {
+    int nb = (K + QK - 1) / QK;
+    long pks = coli_q8x_tile_bytes(K);
+    for (int r = 0; r < N; r++) {
+        const uint8_t *o = pk + (r / 4) * pks;
+        for (int g = 0; g < nb; g++) {
+            for (int i = 0; i < QK; i++) wq[r * ldw + g * QK + i] = (int8_t)o[coli_q8x_at(g, r % 4, i)];
+            memcpy(&wd[r * ldd + g], o + coli_q8x_scale_at(g, r % 4), 2);
+        }
+        for (long i = (long)nb * QK; i < ldw; i++) wq[r * ldw + i] = 0;
+    }
+}
+
+/* out[:K] = row r of a repacked Q8 matrix as float32 (as coli_dequant_row computes it). */
+static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
+    const uint8_t *o = W->pk + (r / 4) * W->pks;
+    for (int k = 0; k < K; k++) {
+        uint16_t d;
+        memcpy(&d, o + coli_q8x_scale_at(k / QK, r % 4), 2);
+        out[k] = coli_f16_to_f32(d) * (int8_t)o[coli_q8x_at(k / QK, r % 4, k % QK)];
+    }
+}
+
 #if defined(COLI_Q512)
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
                         * a token gets the same bits alone, in a batch or in a verification */

@@ -1,10 +1,11 @@
-"""Dense int4 matrices rearranged, once at load, into the tiles the kernels read fastest.
+"""Dense int4 and int8 matrices rearranged, once at load, into the tiles the kernels read fastest.
 
-On the AVX-512 VNNI and AVX2 paths an int4 / int4s matrix can be held in 4-row tiles
-(``QMatrix.pack``; the layout is in coli/_engine/simd_qx.h): a decode step then spends no
-instructions rearranging weights, several tokens share each step's unpacking, and the
-matrix is one sequential stream. On AVX-512 VNNI the results are the same bits as the row
-layout's multi-token tiles; on AVX2 a token's bits are the same alone or in a batch.
+On the AVX-512 VNNI and AVX2 paths an int4 / int4s matrix, and on AVX2 an int8 one, can be
+held in 4-row tiles (``QMatrix.pack``; the layouts are in coli/_engine/simd_qx.h): a decode
+step then spends no instructions rearranging weights, several tokens share each step's
+unpacking, and the matrix is one sequential stream. int4 on AVX-512 VNNI and int8 on AVX2
+give the same bits as the row layout's tiles; int4 on AVX2 gives a token the same bits alone
+or in a batch.
 
 Only the matrices every decode step reads are packed: attention, dense and shared-expert
 MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
@@ -102,7 +103,8 @@ def drop_file_pages(arrays) -> int:
 
 
 def pack_dense(model, env=None) -> int:
-    """Pack the model's dense int4 matrices (unless ``COLI_PACK=0``); returns the bytes packed."""
+    """Pack the model's dense int4 / int8 matrices where this path has their tiles (unless
+    ``COLI_PACK=0``); returns the bytes packed."""
     if not env_switch(ENV, env):
         return 0
     mats = [(m, m.packed_bytes) for m in dense_matrices(model)]
