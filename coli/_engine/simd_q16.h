@@ -462,9 +462,11 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
  * 16-bit pairs (8 unpacks per 4 registers) and widened (unpack with itself, arithmetic
  * shift): vector S[p] lane (L, j) = pair p (values 2p, 2p + 1) of row j's group b + L as
  * two int16. Each token's activations come arranged (coli_q16_arrange, once per call, as
- * each row is quantized): per step, 4 vectors whose lane L holds quarter q (values 8q ..
- * 8q + 7) of the token's group b + L, then the two groups' scales in lane order; vpshufd
- * broadcasts pair p over its lane. The 16 vpmaddwd + vpaddd leave in each int32 lane one
+ * each row is quantized): per step, 16 vectors whose lane L holds pair p of the token's
+ * group b + L four times over, then the two groups' scales in lane order, so a multiply-add
+ * takes its activations straight from memory (the arrangement used to keep 4 quarters and
+ * broadcast each pair with a vpshufd per token and pair: 16 shuffles a step, all on one
+ * port, were most of a several-token tile's time). The 16 vpmaddwd + vpaddd leave in each int32 lane one
  * whole (row, group) dot product, exact (|sum| <= 32 * 127 * 32767 < 2^31), so one
  * convert, one scale multiply (weight scale x activation scale) and one fma per token
  * serve 4 rows x 2 groups, where the plain tiles spent them per row and group. The
@@ -477,7 +479,7 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
  * the last 4 are computed in a tile whose missing rows repeat the last one. A last odd
  * group is a step with zeros (weights, scales and arranged activations). */
 #define COLI_Q16X_MR 8  /* tokens per tile */
-#define COLI_Q16X_NV 5  /* vectors per token and step: 4 quarters, then the scales */
+#define COLI_Q16X_NV 17 /* vectors per token and step: 16 broadcast pairs, then the scales */
 
 /* Bytes of coli_q16_arrange's output per token (0 where the plain tiles are used). */
 static inline long coli_q16_xe_ld(int M, int K) {
@@ -507,10 +509,14 @@ static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *
             float sc[COLI_Q16X_G * 4];
             for (int L = 0; L < COLI_Q16X_G; L++)
                 for (int j = 0; j < 4; j++) sc[4 * L + j] = b + L < nb ? qd[b + L] : 0.0f;
-            for (int qi = 0; qi < 4; qi++) {
+            for (int qi = 0; qi < 4; qi++) { /* pairs 4qi .. 4qi + 3 */
                 __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(coli_q16_quarter(q, b, nb, qi)),
                                                     coli_q16_quarter(q, b + 1, nb, qi), 1);
-                _mm256_store_si256((__m256i *)(o + qi * 32), x);
+                __m256i *d = (__m256i *)(void *)(o + 4 * qi * COLI_Q16X_V);
+                _mm256_store_si256(d + 0, _mm256_shuffle_epi32(x, 0x00));
+                _mm256_store_si256(d + 1, _mm256_shuffle_epi32(x, 0x55));
+                _mm256_store_si256(d + 2, _mm256_shuffle_epi32(x, 0xAA));
+                _mm256_store_si256(d + 3, _mm256_shuffle_epi32(x, 0xFF));
             }
             memcpy(o + (COLI_Q16X_NV - 1) * COLI_Q16X_V, sc, sizeof(sc));
         }
@@ -523,7 +529,6 @@ static inline __m256i coli_q16_dot(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 }
 #define COLI_Q16_LOAD(p) _mm256_load_si256((const __m256i *)(p))
-#define COLI_Q16_BCAST(x, r) _mm256_shuffle_epi32(x, (r) * 0x55)
 #define COLI_Q16_ZERO() _mm256_setzero_si256()
 #define COLI_Q16_FZERO() _mm256_setzero_ps()
 #define COLI_Q16_ADD(a, b) _mm256_add_epi32(a, b)
@@ -562,22 +567,19 @@ static inline __m128 coli_q16x_rows(__m256 v) {
     return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-/* per token: its 4 quarters loaded, each pair broadcast over its lane in registers */
+/* per token: the step's 16 pairs against its broadcast activations */
 #define COLI_Q16X_TOKENS(MR)                                                                       \
             coli_q16v S[16];                                                                       \
             for (int p = 0; p < 16; p++)                                                           \
                 S[p] = p & 1 ? COLI_Q16_WIDEN_HI(Q[p / 2]) : COLI_Q16_WIDEN_LO(Q[p / 2]);          \
             for (int i = 0; i < MR; i++) {                                                         \
                 const uint8_t *o = xs + i * lde;                                                   \
-                coli_q16v X[4], d[2] = {COLI_Q16_ZERO(), COLI_Q16_ZERO()};                         \
-                for (int k = 0; k < 4; k++) X[k] = COLI_Q16_LOAD(o + k * COLI_Q16X_V);             \
-                for (int k = 0; k < 4; k++) { /* pair p = 4k + r: immediates spelled out (clang) */ \
-                    d[0] = coli_q16_dot(d[0], S[4 * k + 0], COLI_Q16_BCAST(X[k], 0));              \
-                    d[1] = coli_q16_dot(d[1], S[4 * k + 1], COLI_Q16_BCAST(X[k], 1));              \
-                    d[0] = coli_q16_dot(d[0], S[4 * k + 2], COLI_Q16_BCAST(X[k], 2));              \
-                    d[1] = coli_q16_dot(d[1], S[4 * k + 3], COLI_Q16_BCAST(X[k], 3));              \
+                coli_q16v d[2] = {COLI_Q16_ZERO(), COLI_Q16_ZERO()};                               \
+                for (int p = 0; p < 16; p += 2) { /* pair p's activations, broadcast by the arrangement */ \
+                    d[0] = coli_q16_dot(d[0], S[p], COLI_Q16_LOAD(o + p * COLI_Q16X_V));             \
+                    d[1] = coli_q16_dot(d[1], S[p + 1], COLI_Q16_LOAD(o + (p + 1) * COLI_Q16X_V));   \
                 }                                                                                  \
-                acc[i] = COLI_Q16_FMA(COLI_Q16_ADD(d[0], d[1]), ws, o + 4 * COLI_Q16X_V, acc[i]);   \
+                acc[i] = COLI_Q16_FMA(COLI_Q16_ADD(d[0], d[1]), ws, o + 16 * COLI_Q16X_V, acc[i]);  \
             }
 
 /* MR tokens (arranged activations xe, lde bytes apart) x 4 rows (nr of them real). CH

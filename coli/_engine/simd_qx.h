@@ -436,18 +436,22 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
         for (int s = 0; s < (nb + 3) / 4; s++, o += COLI_XE_Q4 * 64)
             for (int L = 0; L < 4; L++) {
                 int g = 4 * s + L, ok = g < nb;
-                for (int p = 0; p < 8; p++) {
-                    int32_t v = 0;
-                    if (ok) memcpy(&v, xq + g * QK + (p < 4 ? 4 * p : 16 + 4 * (p - 4)), 4);
-                    for (int j = 0; j < 4; j++) memcpy(o + 64 * p + 16 * L + 4 * j, &v, 4);
-                }
+                /* the group's two 16-byte halves; dword p of each broadcast over lane L */
+                __m128i lo = ok ? _mm_loadu_si128((const __m128i *)(const void *)(xq + g * QK)) : _mm_setzero_si128();
+                __m128i hi = ok ? _mm_loadu_si128((const __m128i *)(const void *)(xq + g * QK + 16)) : _mm_setzero_si128();
+                __m128i *d = (__m128i *)(void *)(o + 16 * L);
+                _mm_store_si128(d + 0 * 4, _mm_shuffle_epi32(lo, 0x00));
+                _mm_store_si128(d + 1 * 4, _mm_shuffle_epi32(lo, 0x55));
+                _mm_store_si128(d + 2 * 4, _mm_shuffle_epi32(lo, 0xAA));
+                _mm_store_si128(d + 3 * 4, _mm_shuffle_epi32(lo, 0xFF));
+                _mm_store_si128(d + 4 * 4, _mm_shuffle_epi32(hi, 0x00));
+                _mm_store_si128(d + 5 * 4, _mm_shuffle_epi32(hi, 0x55));
+                _mm_store_si128(d + 6 * 4, _mm_shuffle_epi32(hi, 0xAA));
+                _mm_store_si128(d + 7 * 4, _mm_shuffle_epi32(hi, 0xFF));
                 float xs = ok ? qd[g] : 0.0f, xsum = ok ? qd[g] * (float)qs[g] : 0.0f;
-                int32_t sum8 = ok ? qs[g] * 8 : 0;
-                for (int j = 0; j < 4; j++) {
-                    memcpy(o + 8 * 64 + 16 * L + 4 * j, &xs, 4);
-                    memcpy(o + 9 * 64 + 16 * L + 4 * j, &sum8, 4);
-                    memcpy(o + 10 * 64 + 16 * L + 4 * j, &xsum, 4);
-                }
+                _mm_store_ps((float *)(void *)(d + 8 * 4), _mm_set1_ps(xs));
+                _mm_store_si128(d + 9 * 4, _mm_set1_epi32(ok ? qs[g] * 8 : 0));
+                _mm_store_ps((float *)(void *)(d + 10 * 4), _mm_set1_ps(xsum));
             }
     }
 }
