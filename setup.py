@@ -6,6 +6,8 @@ path, each into its own extension module coli._engine._kernels_<path>:
 
   avx512vnni  AVX-512 F/BW/DQ/VL + VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4/5)
   avx512      AVX-512 F/BW/DQ/VL without VNNI (Skylake-SP/X)
+  avx2vnni    AVX2 + FMA + F16C + AVX-VNNI: the avx2 kernels with vpdpbusd / vpdpwssd for
+              their integer dot products (Alder Lake and later Intel cores without AVX-512)
   avx2        AVX2 + FMA + F16C (Haswell and later, Zen 1-3)
   scalar      the platform's baseline in plain C (any x86-64; the only path on other CPUs)
 
@@ -16,8 +18,8 @@ and on 64-bit ARM (Linux aarch64, macOS arm64):
   neon        armv8-a: NEON only (Cortex-A72/A53: Raspberry Pi 4, Graviton 1)
   scalar      plain C (-DCOLI_NO_NEON), for comparisons
 
-A path whose flags this compiler does not know (an old GCC and +i8mm) is left out with a
-warning.
+A path whose flags this compiler does not know (an old GCC and +i8mm or -mavxvnni) is left
+out with a warning.
 
 coli/_engine/kernels.py picks one at import time from CPUID (coli/_engine/_cpu.pyx), so one
 build runs at its best on every CPU; COLI_SIMD=<path> forces one (README.md, Building). A
@@ -58,6 +60,7 @@ _AVX512 = _AVX2 + ["-mavx512f", "-mavx512cd", "-mavx512bw", "-mavx512dq", "-mavx
 TARGETS = {  # path -> compiler flags; best first
     "avx512vnni": _AVX512 + ["-mavx512vnni"],
     "avx512": _AVX512,
+    "avx2vnni": _AVX2 + ["-mavxvnni"],
     "avx2": _AVX2,
     "scalar": [],
 }
@@ -131,12 +134,20 @@ return vgetq_lane_s32(a, 0) == 12345; }
 """
 
 
-def _flags_work(compiler, flags):
-    """Whether this compiler builds NEON (and the sdot / smmla the flags promise) with flags."""
+_VNNI_PROBE = """#include <immintrin.h>
+int main(void) { __m256i a = _mm256_setzero_si256();
+a = _mm256_dpbusd_avx_epi32(a, a, a);
+return _mm256_extract_epi32(_mm256_dpwssd_avx_epi32(a, a, a), 0) == 12345; }
+"""
+
+
+def _flags_work(compiler, flags, probe=_ARM_PROBE):
+    """Whether this compiler builds the probe (NEON and the sdot / smmla the flags promise, or
+    x86's AVX-VNNI) with flags."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "arm_probe.c")
+        src = os.path.join(tmp, "probe.c")
         with open(src, "w") as f:
-            f.write(_ARM_PROBE)
+            f.write(probe)
         try:
             compiler.compile([src], output_dir=tmp, extra_postargs=flags)
             return True
@@ -179,6 +190,10 @@ class BuildExt(build_ext):
                     continue
                 keep.append(ext)
             self.extensions = keep
+        if x86 and not native and any(e.name.endswith("_kernels_avx2vnni") for e in self.extensions):
+            if not _flags_work(self.compiler, TARGETS["avx2vnni"], _VNNI_PROBE):  # GCC < 11, clang < 12
+                self.warn("coli: this compiler does not take -mavxvnni; the avx2vnni kernels are not built")
+                self.extensions = [e for e in self.extensions if not e.name.endswith("_kernels_avx2vnni")]
         omp = _openmp_flags(self.compiler)
         if omp is None:
             self.warn("coli: no OpenMP with this compiler; the kernels are built single-threaded "

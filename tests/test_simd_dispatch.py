@@ -36,17 +36,20 @@ def test_choice_follows_the_features():
     avx2 = frozenset({"avx", "avx2", "fma", "f16c"})
     if "avx2" in built:
         assert dispatch.choose(None, avx2) in ("avx2", "native")
+    if "avx2vnni" in built:  # Alder Lake and later cores without AVX-512
+        assert dispatch.choose(None, avx2 | {"avxvnni"}) in ("avx2vnni", "native")
     if "avx512vnni" in built:
         assert dispatch.choose(None, dispatch.NEEDS["avx512vnni"]) in ("avx512vnni", "native")
+        assert dispatch.choose(None, dispatch.NEEDS["avx512vnni"] | {"avxvnni"}) in ("avx512vnni", "native")
     assert dispatch.choose(None, frozenset()) in ("scalar", "native")
     assert dispatch.runnable(frozenset())[-1] == "scalar"
 
 
-@pytest.mark.parametrize("path", ["avx512vnni", "avx512", "avx2"])
+@pytest.mark.parametrize("path", ["avx512vnni", "avx512", "avx2vnni", "avx2"])
 def test_a_path_the_cpu_lacks_is_refused(path):
     if path not in dispatch.built():
         pytest.skip(f"this build has no {path} kernels")
-    lacking = dispatch.NEEDS[path] - {"avx2" if path == "avx2" else "avx512bw"}
+    lacking = dispatch.NEEDS[path] - {{"avx2": "avx2", "avx2vnni": "avxvnni"}.get(path, "avx512bw")}
     with pytest.raises(dispatch.SimdUnavailableError, match=f"COLI_SIMD={path}: this CPU lacks"):
         dispatch.choose(path, lacking)
     with pytest.raises(dispatch.SimdUnavailableError, match="unknown SIMD path"):
@@ -96,3 +99,43 @@ def test_coli_bench_reports_the_forced_path():
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["simd"] == path and out["quant"] == "int4"
+
+
+def test_avx2vnni_gives_the_bits_of_avx2():
+    """The avx2vnni path is the avx2 kernels with vpdpbusd / vpdpwssd in place of
+    vpmaddubsw / vpmaddwd + vpaddd: the same exact integer sums, so a model's logits (int8
+    and int4, prefill, decode and a verification of several tokens) are the very bits."""
+    for path in ("avx2", "avx2vnni"):
+        if path not in dispatch.built():
+            pytest.skip(f"this build has no {path} kernels (see COLI_SIMD_TARGETS in setup.py)")
+        missing = sorted(dispatch.NEEDS[path] - FEATURES)
+        if missing:
+            pytest.skip(f"this CPU lacks {', '.join(missing)}: the {path} path cannot run here")
+    code = """if 1:
+        import sys, numpy as np, coli
+        from coli import synthetic
+        from coli._engine import kernels as K
+        d = synthetic.write_hf("tiny", sys.argv[2])
+        out = []
+        for quant in ("int8", "int4"):  # 70 prompt tokens: int4's token-lane GEMM too (64 and up)
+            eng = coli.load(d, threads=2, quant=quant).engine
+            c = eng.new_cache(128)
+            out.append(eng.step([(c, list(range(2, 72)))], all_logits=[True])[0].copy())
+            out += [eng.step([(c, [t])])[0].copy() for t in (5, 9)]
+            out.append(eng.step([(c, [3, 4, 5, 6])], all_logits=[True])[0].copy())
+        np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+        print(K.simd_name())
+    """
+    import tempfile
+
+    import numpy as np
+
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in ("avx2", "avx2vnni"):
+            f = os.path.join(tmp, f"{path}.npy")
+            r = subprocess.run([sys.executable, "-c", code, f, os.path.join(tmp, f"hf-{path}")], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300, env=_env(COLI_SIMD=path))
+            assert r.returncode == 0 and r.stdout.split()[-1] == path, r.stderr[-3000:]
+            got[path] = np.load(f)
+    np.testing.assert_array_equal(got["avx2vnni"], got["avx2"])

@@ -15,11 +15,12 @@ from coli.errors import ColiError
 
 # best first; what each path's code executes besides the platform's baseline (x86-64, or
 # 64-bit ARM for the neon* paths: NEON (asimd), sdot (asimddp), smmla (i8mm))
-PATHS = ("avx512vnni", "avx512", "avx2", "neoni8mm", "neondot", "neon", "scalar")
+PATHS = ("avx512vnni", "avx512", "avx2vnni", "avx2", "neoni8mm", "neondot", "neon", "scalar")
 NEEDS = {
     "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl",
                              "avx512vnni"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+    "avx2vnni": frozenset({"avx2", "fma", "f16c", "avxvnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "neoni8mm": frozenset({"asimd", "asimddp", "i8mm"}),
     "neondot": frozenset({"asimd", "asimddp"}),

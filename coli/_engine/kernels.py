@@ -1,7 +1,7 @@
 """The engine's kernels for this CPU, chosen once, at import.
 
 setup.py compiles coli/_engine/kernels.pyx once per SIMD path into the modules
-``coli._engine._kernels_<path>`` (avx512vnni, avx512, avx2, scalar; or one ``native``
+``coli._engine._kernels_<path>`` (avx512vnni, avx512, avx2vnni, avx2, scalar; or one ``native``
 module with COLI_NATIVE=1). Importing ``coli._engine.kernels`` picks the best path that
 both this CPU (CPUID, via coli._engine._cpu) and the build have, imports that module and
 puts it in this module's place in ``sys.modules``: ``from coli._engine import kernels``

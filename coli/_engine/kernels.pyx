@@ -211,7 +211,7 @@ def get_num_threads():
 
 
 def simd_name():
-    """The SIMD path of this module: avx512vnni, avx512, avx2, scalar (or native for a
+    """The SIMD path of this module: avx512vnni, avx512, avx2vnni, avx2, scalar (or native for a
     COLI_NATIVE=1 build); see coli/_engine/dispatch.py."""
     return COLI_SIMD_PATH.decode()
 

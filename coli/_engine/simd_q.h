@@ -715,6 +715,11 @@ static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const in
         __m256i xo = _mm256_load_si256((const __m256i *)(xob + g * 8));
         for (int r = 0; r < 4; r++) {
             const int32_t *wp = (const int32_t *)(wb + (r * COLI_Q4GEMM8_KC + g) * 32);
+#if defined(__AVXVNNI__) /* vpdpbusd: the same exact sums in int32 */
+            __m256i d = _mm256_setzero_si256();
+            (void)ones;
+            for (int k = 0; k < 8; k++) d = _mm256_dpbusd_avx_epi32(d, _mm256_set1_epi32(wp[k]), _mm256_load_si256(xg + k));
+#else
             /* two int16 chains of 4 maddubs: at most 8 products of 15 x 127 per lane each */
             __m256i s0 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[0]), _mm256_load_si256(xg + 0));
             __m256i s1 = _mm256_maddubs_epi16(_mm256_set1_epi32(wp[1]), _mm256_load_si256(xg + 1));
@@ -726,6 +731,7 @@ static inline void coli_q4gemm8_4x8(const int8_t *xb, const float *dxb, const in
             s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_set1_epi32(wp[7]), _mm256_load_si256(xg + 7)));
             /* and one int16 sum of both: 16 products of at most 15 x 127 per lane, < 2^15 */
             __m256i d = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+#endif
             if (!asym) d = _mm256_sub_epi32(d, xo);
             __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dx);
             acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(ws + r * COLI_Q4GEMM8_KC + g), acc[r]);

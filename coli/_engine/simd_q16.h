@@ -525,8 +525,14 @@ static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *
 
 typedef __m256i coli_q16v;
 typedef __m256 coli_q16f;
+/* acc + the pair sums of w * x (int16) in each int32 lane: one vpdpwssd with AVX-VNNI (the
+ * avx2vnni path), vpmaddwd + vpaddd otherwise; the same exact integers either way. */
 static inline __m256i coli_q16_dot(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
 }
 #define COLI_Q16_LOAD(p) _mm256_load_si256((const __m256i *)(p))
 #define COLI_Q16_ZERO() _mm256_setzero_si256()
@@ -778,7 +784,7 @@ static inline void coli_q16r_prep_pk(const uint8_t *ta, const uint8_t *tb, int c
             for (int i = 0; i < MR; i++) {                                                         \
                 int32_t x2;                                                                        \
                 memcpy(&x2, q + i * ldq + off, 4);                                                 \
-                d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));        \
+                d[i] = coli_q16_dot(d[i], w, _mm256_set1_epi32(x2));                              \
                 COLI_Q16R_KEEP(d[i]);                                                              \
             }                                                                                      \
         }                                                                                          \

@@ -456,6 +456,23 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
     }
 }
 
+/* Each int32 lane's sum over the 8 weight registers w[q] (unsigned nibbles) times the token's
+ * activations at o + 64q: vpdpbusd with AVX-VNNI (the avx2vnni path), else vpmaddubsw pair sums
+ * added in int16 (16 products of at most 15 x 127 a lane: exact) and one vpmaddwd; the same
+ * integers either way. */
+static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
+#if defined(__AVXVNNI__)
+    __m256i d = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], _mm256_load_si256((const __m256i *)(const void *)o));
+    for (int q = 1; q < 8; q++)
+        d = _mm256_dpbusd_avx_epi32(d, w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64)));
+    return d;
+#else
+    __m256i s = _mm256_maddubs_epi16(w[0], _mm256_load_si256((const __m256i *)(const void *)o));
+    for (int q = 1; q < 8; q++)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64))));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
 /* Half h of a packed step of gs groups (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
 #define COLI_Q4XHALF256(MR, ASYM, MASKED, gs, n2)                                                      \
     {                                                                                              \
@@ -472,10 +489,7 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
                                                              : _mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h))); \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
-            __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_load_si256((const __m256i *)(const void *)o)); \
-            for (int q = 1; q < 8; q++)                                                            \
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64)))); \
-            __m256i d = _mm256_madd_epi16(s16, ones);                                              \
+            __m256i d = coli_q4x_dot8(w, o);                                                       \
             if (!ASYM) d = _mm256_sub_epi32(d, _mm256_load_si256((const __m256i *)(const void *)(o + 9 * 64))); \
             __m256 sc = _mm256_mul_ps(ws, _mm256_load_ps((const float *)(const void *)(o + 8 * 64))); \
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i]);                           \
@@ -539,7 +553,7 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
     static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
         __m256 acc[MR];                                                                            \
         for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();                                 \
-        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                    \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
         const uint8_t *p = pk;                                                                     \
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4, p += 4 * (ASYM ? 80 : 72)) {                                   \
