@@ -14,6 +14,7 @@ cdef extern from "simd_q16.h" nogil:
     void coli_quantize_row_q16(const float *x, int K, int16_t *q, float *d)
     long coli_q16_xe_ld(int M, int K)
     void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *xe, long lde)
+    int coli_q16_xe_used(int M)
     void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y, long ldy)
     enum:
         COLI_Q8X_TILES
@@ -226,11 +227,16 @@ cdef inline coli_act16 _rows16(coli_act16 a, int off) noexcept nogil:
     return a
 
 
-cdef coli_act16 _act16_arranged(int16_t *q, float *qd, int M, int K) except *:
+cdef coli_act16 _act16_arranged(int16_t *q, float *qd, int M, int K, bint one_gemm=False) except *:
     """int16 activations (M, padded(K)) in q / qd, plus room for their arrangement where
-    this SIMD path's int8 tiles take one (coli_q16_xe_ld; called with the GIL)."""
+    this SIMD path's int8 tiles take one (coli_q16_xe_ld; called with the GIL). one_gemm: the
+    M tokens go through each matrix together (qlinear, not a MoE call, whose experts each see
+    a few), so no room is made where a GEMM of M tokens never reads it (coli_q16_xe_used:
+    AVX2's row-lane tiles, from 6 tokens, read the int16 rows themselves)."""
     cdef coli_act16 a = _act16(q, qd, padded(K))
     cdef long lde = coli_q16_xe_ld(M, K)
+    if one_gemm and not coli_q16_xe_used(M):
+        lde = 0
     if lde and M:
         a.xe, a.lde = <const uint8_t *>_xe_scratch(<size_t>M * lde), lde
     return a
@@ -429,7 +435,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
     g.a16 = _act16(NULL, NULL, QK)
     if fmt == COLI_Q8:
         q16 = _q16_scratch(<size_t>M * kp)
-        g.a16 = _act16_arranged(q16, qdp, M, K)
+        g.a16 = _act16_arranged(q16, qdp, M, K, True)
     elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))

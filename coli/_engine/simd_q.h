@@ -279,7 +279,10 @@ static inline __m512i coli_lane_groups(int shift) {
 #endif
 
 #if defined(__AVX2__)
-/* 8 int32 lanes of sum(u8 * s8) over 32 byte pairs. */
+/* 8 int32 lanes of sum(u8 * s8) over 32 byte pairs. u must be at most 127 a byte (the
+ * callers pass int4 nibbles): plain AVX2's maddubs saturates its int16 pair sums
+ * (2 x 255 x 128 does not fit), where vpdpbusd would not, and the avx2 and avx2vnni paths
+ * must give the same bits. */
 static inline __m256i coli_dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);

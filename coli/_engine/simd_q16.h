@@ -840,7 +840,7 @@ static inline void coli_gemm_q16r(const coli_act16 *a, int M, const int8_t *wq, 
         int nr = N - n < 8 ? N - n : 8;
         const int8_t *r[8];
         const uint16_t *dr[8];
-        const uint8_t *ta = pk ? pk + (n / 4) * pks : NULL, *tb = nr > 4 ? ta + pks : ta;
+        const uint8_t *ta = pk ? pk + (n / 4) * pks : NULL, *tb = pk && nr > 4 ? ta + pks : ta;
         for (int j = 0; j < 8 && !pk; j++) { /* rows past nr repeat the last one; dropped at the end */
             long jj = n + (j < nr ? j : nr - 1);
             r[j] = wq + jj * ldw;
@@ -990,5 +990,17 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
     }
 }
 #endif
+
+/* Whether coli_gemm_q16 reads the arrangement (a->xe) for a GEMM of M tokens: on AVX2 not
+ * from COLI_Q16R_MIN tokens on (the row-lane tiles read the int16 rows), so a qlinear call
+ * of that many skips arranging them; elsewhere the tiles that arrange read it at any M. */
+static inline int coli_q16_xe_used(int M) {
+#if defined(COLI_Q16X)
+    return M < COLI_Q16R_MIN;
+#else
+    (void)M;
+    return 1;
+#endif
+}
 
 #endif /* COLI_SIMD_Q16_H */
