@@ -54,16 +54,17 @@ static inline void coli_q4x_pack(const coli_mat *W, int N, int K, uint8_t *pk) {
     long pks = coli_q4x_tile_bytes(W->fmt, K);
     const uint8_t *wq = (const uint8_t *)W->w;
     uint16_t zero = 0;
+    const uint8_t none[16] = {0};
     for (int t = 0; t < (N + 3) / 4; t++) {
         uint8_t *o = pk + t * pks;
         for (int g = 0; g < nb; g++)
             for (int j = 0; j < 4; j++) {
                 int r = 4 * t + j;
-                for (int p = 0; p < 4; p++)
-                    for (int c = 0; c < 4; c++)
-                        o[coli_q4x_piece(W->fmt, nb, g, j, p) + c] = r < N ? wq[r * W->ldw + g * 16 + 4 * p + c] : 0;
-                memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 0), r < N ? &W->d[r * W->ldd + g] : &zero, 2);
-                if (asym) memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 1), r < N ? &W->m[r * W->ldd + g] : &zero, 2);
+                const uint8_t *src = r < N ? wq + (long)r * W->ldw + g * 16 : none;
+                long at = coli_q4x_piece(W->fmt, nb, g, j, 0), step = coli_q4x_piece(W->fmt, nb, g, j, 1) - at;
+                for (int p = 0; p < 4; p++) memcpy(o + at + p * step, src + 4 * p, 4); /* 4-byte pieces */
+                memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 0), r < N ? &W->d[(long)r * W->ldd + g] : &zero, 2);
+                if (asym) memcpy(o + coli_q4x_scale(W->fmt, nb, g, j, 1), r < N ? &W->m[(long)r * W->ldd + g] : &zero, 2);
             }
     }
 }
@@ -139,8 +140,11 @@ static inline void coli_q8x_pack(const coli_mat *W, int N, int K, uint8_t *pk) {
     for (int r = 0; r < N; r++) {
         uint8_t *o = pk + (r / 4) * pks;
         for (int g = 0; g < nb; g++) {
-            for (int i = 0; i < QK; i++) o[coli_q8x_at(g, r % 4, i)] = (uint8_t)wq[r * W->ldw + g * QK + i];
-            memcpy(o + coli_q8x_scale_at(g, r % 4), &W->d[r * W->ldd + g], 2);
+            const int8_t *src = wq + (long)r * W->ldw + g * QK;
+            uint8_t *dst = o + coli_q8x_at(g, r % 4, 0);
+            for (int i = 0; i < QK; i += 2) /* 2-byte pairs: byte i + 1 lies right after byte i */
+                memcpy(dst + (coli_q8x_at(0, 0, i) - coli_q8x_at(0, 0, 0)), src + i, 2);
+            memcpy(o + coli_q8x_scale_at(g, r % 4), &W->d[(long)r * W->ldd + g], 2);
         }
     }
 }
