@@ -124,6 +124,18 @@ def test_a_packed_int8_matrix_reads_back_and_gives_the_bits_of_the_rows(rows, co
         np.testing.assert_allclose(yb, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+def _gated_pairs(pairs, bias, x):
+    """qlinear_many's gate and up outputs (bias on the gate, the gated activation) for the row
+    matrices (key 0) and the packed ones (key 1) of two _pair results."""
+    M, I = x.shape[0], pairs[0][0].rows
+    out = {}
+    for k in (0, 1):
+        g, u = np.empty((M, I), np.float32), np.empty((M, I), np.float32)
+        K.qlinear_many(x, (pairs[0][k], pairs[1][k]), (g, u), (bias, None), *_scratch(M, x.shape[1]), 0)
+        out[k] = g, u
+    return out
+
+
 @needs_tiles8
 def test_packed_int8_in_grouped_calls_with_biases_and_the_gated_activation():
     rng = np.random.default_rng(8)
@@ -131,12 +143,7 @@ def test_packed_int8_in_grouped_calls_with_biases_and_the_gated_activation():
     pairs = [_pair(rng, I, H, "int8") for _ in range(2)]
     bias = rng.standard_normal(I).astype(np.float32)
     for M in (1, 5, 12):
-        x = rng.standard_normal((M, H)).astype(np.float32)
-        out = {}
-        for k in (0, 1):
-            g, u = np.empty((M, I), np.float32), np.empty((M, I), np.float32)
-            K.qlinear_many(x, (pairs[0][k], pairs[1][k]), (g, u), (bias, None), *_scratch(M, H), 0)
-            out[k] = g, u
+        out = _gated_pairs(pairs, bias, rng.standard_normal((M, H)).astype(np.float32))
         for ra, rb in zip(out[0], out[1]):
             np.testing.assert_array_equal(rb, ra)
 
@@ -147,12 +154,7 @@ def test_grouped_calls_biases_and_the_gated_activation_on_packed_matrices():
     H, I, M = 96, 130, 5
     pairs = [_pair(rng, I, H, "int4") for _ in range(2)]
     bias = rng.standard_normal(I).astype(np.float32)
-    x = rng.standard_normal((M, H)).astype(np.float32)
-    out = {}
-    for k in (0, 1):
-        g, u = np.empty((M, I), np.float32), np.empty((M, I), np.float32)
-        K.qlinear_many(x, (pairs[0][k], pairs[1][k]), (g, u), (bias, None), *_scratch(M, H), 0)
-        out[k] = g, u
+    out = _gated_pairs(pairs, bias, rng.standard_normal((M, H)).astype(np.float32))
     whole = I // 4 * 4 if EXACT else 0
     for ra, rb in zip(out[0], out[1]):
         np.testing.assert_array_equal(rb[:, :whole], ra[:, :whole])

@@ -588,6 +588,14 @@ static inline __m128 coli_q16x_rows(__m256 v) {
                 acc[i] = COLI_Q16_FMA(COLI_Q16_ADD(d[0], d[1]), ws, o + 16 * COLI_Q16X_V, acc[i]);  \
             }
 
+/* The end of a tile: each token's sums of the nr real rows. */
+#define COLI_Q16X_END(MR)                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            float sums[4];                                                                         \
+            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
+            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+        }
+
 /* MR tokens (arranged activations xe, lde bytes apart) x 4 rows (nr of them real). CH
  * int32 chains per token (two with few tokens, so the multiply-adds' latency overlaps). */
 #define COLI_Q16XTILE(MR)                                                                          \
@@ -623,11 +631,7 @@ static inline __m128 coli_q16x_rows(__m256 v) {
             const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \
             COLI_Q16X_TOKENS(MR)                                                                   \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
-        }                                                                                          \
+        COLI_Q16X_END(MR)                                                                          \
     }
 
 COLI_Q16XTILE(1) COLI_Q16XTILE(2) COLI_Q16XTILE(3) COLI_Q16XTILE(4)
@@ -663,11 +667,7 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
             const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \
             COLI_Q16X_TOKENS(MR)                                                                   \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
-        }                                                                                          \
+        COLI_Q16X_END(MR)                                                                          \
     }
 
 COLI_Q16XTILE_PK(1) COLI_Q16XTILE_PK(2) COLI_Q16XTILE_PK(3) COLI_Q16XTILE_PK(4)

@@ -294,12 +294,12 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         }                                                                                          \
     }
 
-/* The end of an interleaved tile: each token's 4 row sums. */
-#define COLI_XT_END(MR)                                                                            \
+/* The end of an interleaved tile: each token's sums of its first NR (<= 4) rows. */
+#define COLI_XT_END(MR, NR)                                                                        \
         for (int i = 0; i < MR; i++) {                                                             \
             float sums[4];                                                                         \
             _mm_storeu_ps(sums, coli_xt_rows(acc[i]));                                             \
-            for (int j = 0; j < 4; j++) Y[i * ldy + j] = sums[j];                                  \
+            for (int j = 0; j < (NR); j++) Y[i * ldy + j] = sums[j];                               \
         }
 
 /* Q4 (ASYM 0) / Q4A (ASYM 1): MR tokens x 4 rows, 4 groups per step, the last step masked
@@ -314,7 +314,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4) COLI_Q4XSTEP(MR, ASYM, 0, 4)                                   \
         if (b < nb) COLI_Q4XSTEP(MR, ASYM, 1, nb - b)                                              \
-        COLI_XT_END(MR)                                                                            \
+        COLI_XT_END(MR, 4)                                                                         \
     }
 
 #define COLI_XTILES(NAME, ROLE)                                                                    \
@@ -372,11 +372,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4) COLI_Q4XSTEP_PK(MR, ASYM, 0, 4)                                \
         if (b < nb) COLI_Q4XSTEP_PK(MR, ASYM, 1, nb - b)                                           \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_xt_rows(acc[i]));                                             \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
-        }                                                                                          \
+        COLI_XT_END(MR, nr)                                                                        \
     }
 #define COLI_PKTILES(NAME, ASYM)                                                                   \
     COLI_Q4XTILE512_PK(NAME, 1, ASYM) COLI_Q4XTILE512_PK(NAME, 2, ASYM) COLI_Q4XTILE512_PK(NAME, 3, ASYM) \
