@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from coli.config import ModelConfig
-from coli.engine import Engine, KVCache
+from coli.engine import Engine, KVCache, kv_dtype
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
 from coli.plan import check_before_load
@@ -51,7 +51,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
          max_context: int | None = None, quant: str | None = None, head_quant: str | None = None,
          ram_budget: int | str | None = None, pin: int | str | None = None, io: str = "direct",
          prefetch: bool = False, process_budget: int | str | None = None,
-         progress=None, **options) -> "Model":
+         kv_cache_dtype: str | None = None, progress=None, **options) -> "Model":
     """Load a Hugging Face model directory or a converted coli directory.
 
     ``path`` defaults to $COLI_MODEL, then the built-in model. ``threads`` defaults to
@@ -69,7 +69,8 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     .coli_usage (``pin="auto"``: half the budget, ranked by the model's expert atlas too). ``io`` "direct" (default: bypass the page cache) or "buffered";
     ``prefetch`` reads the next layer's likely experts while a layer computes (off by
     default: on a disk-bound run its wrong guesses cost more reads than it saves; see
-    BENCHMARKS.md). ``progress(done, total)`` is called as the tensors of a Hugging Face
+    BENCHMARKS.md). ``kv_cache_dtype`` is what the KV cache stores: "f16" (the default, or
+    $COLI_KV_CACHE_DTYPE) or "f32". ``progress(done, total)`` is called as the tensors of a Hugging Face
     directory are read (and quantized)."""
     if options:
         raise InvalidRequestError(f"unknown load option(s): {', '.join(sorted(options))}")
@@ -78,10 +79,11 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
             check_format(q)
     if io not in ("direct", "buffered"):
         raise InvalidRequestError(f"io must be 'direct' or 'buffered' (got {io!r})")
+    kv_cache_dtype = kv_dtype(kv_cache_dtype)
     model_dir = resolve_model_path(path)
     # the memory check, before any weight is read; --ram-budget is the whole process
     plan, experts_budget = check_before_load(model_dir, quant, head_quant, max_context,
-                                             _size(process_budget, "process_budget"))
+                                             _size(process_budget, "process_budget"), kv_cache_dtype)
     if ram_budget is not None:  # the Python API's experts-only budget
         experts_budget = _size(ram_budget, "ram_budget")
     if is_gguf(model_dir):  # a GGUF file: config, tokenizer and weights all come from it
@@ -111,7 +113,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     net = build_model(cfg, weights)
     weights.finish()
     pack_dense(net)
-    engine = Engine(net, threads=threads, max_context=max_context, weights=weights)
+    engine = Engine(net, threads=threads, max_context=max_context, weights=weights, kv_cache_dtype=kv_cache_dtype)
     model = Model(model_dir, cfg, tokenizer, engine, weights)
     model.plan = plan
     if is_gguf(model_dir):  # `coli list` shows the GGUFs given by path

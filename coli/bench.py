@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from coli.engine import StepStats
+from coli.kv.dtype import ITEMSIZE
 
 
 @dataclass
@@ -60,6 +61,7 @@ class BenchResult:
     roofline_tok_s: float  # bandwidth / (weight_bytes_per_token + kv_bytes_read_per_token)
     runs: list[RunResult] = field(default_factory=list)
     threads_in_use: int = 0  # at the end: fewer than threads while the machine was too busy (coli/threads.py)
+    kv_cache_dtype: str = "f16"  # what the KV cache stores (--kv-cache-dtype)
 
     def median(self, key: str) -> float:
         return statistics.median(getattr(r, key) for r in self.runs)
@@ -169,16 +171,18 @@ def run(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int =
         x.roofline_fraction = x.decode_tok_s * (per_token + kv_read) / x.bandwidth_bytes_s
     bw = statistics.median(x.bandwidth_bytes_s for x in runs)
     layers = model.engine.model.layers
-    kv_per_token = sum(l.attn.k_width + l.attn.v_width for l in layers) * 4
+    item = ITEMSIZE[eng.kv_cache_dtype]
+    kv_per_token = sum(l.attn.k_width + l.attn.v_width for l in layers) * item
     expanded = sum(l.attn.expanded_kv_width() if hasattr(l.attn, "expanded_kv_width")
-                   else l.attn.k_width + l.attn.v_width for l in layers) * 4
+                   else l.attn.k_width + l.attn.v_width for l in layers) * item
     w = model.weights
     return BenchResult(
         model=label or str(model.path), decode=decode, quant=getattr(w, "quant", "f32"), threads=eng.threads,
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, simd=K.simd_name(),
         resident=eng.resident_bytes(), kv_bytes_per_token=kv_per_token, kv_bytes_per_token_expanded=expanded,
         peak_rss_bytes=peak_rss, weight_bytes_per_token=per_token, kv_bytes_read_per_token=kv_read,
-        bandwidth_bytes_s=bw, roofline_tok_s=bw / (per_token + kv_read), runs=runs, threads_in_use=eng.threads_in_use)
+        bandwidth_bytes_s=bw, roofline_tok_s=bw / (per_token + kv_read), runs=runs, threads_in_use=eng.threads_in_use,
+        kv_cache_dtype=eng.kv_cache_dtype)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -217,7 +221,7 @@ def kv_bytes_read_per_token(model, prompt_tokens: int, gen_tokens: int) -> int:
     total = 0.0
     for layer in model.engine.model.layers:
         a = layer.attn
-        width = (a.k_width + a.v_width) * 4  # float32 rows
+        width = (a.k_width + a.v_width) * ITEMSIZE[model.engine.kv_cache_dtype]  # f16 or f32 rows
         window = getattr(a, "window", 0) or 0
         for j in (0, gen_tokens - 1):  # attended positions grow by one per step: the mean of the ends
             n = prompt_tokens + 1 + j

@@ -20,6 +20,7 @@ import numpy as np
 
 from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
+from coli.kv.dtype import KV_DTYPES, kv_dtype
 from coli.models.base import Batch, DecoderLM, RunState
 from coli.threads import ThreadGovernor, enabled
 
@@ -88,27 +89,30 @@ def available_memory() -> int | None:
     return None
 
 
-def _zeros_aligned(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of zeros starting on a 64-byte boundary (NumPy's own large arrays
-    start 16 bytes past one). With rows a multiple of 64 bytes wide, every head's K / V
-    row is then cache-line aligned, which the attention kernel reads fastest."""
-    n = int(np.prod(shape)) * 4
+def _zeros_aligned(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An array of zeros starting on a 64-byte boundary (NumPy's own large arrays start 16
+    bytes past one). With rows a multiple of 64 bytes wide, every head's K / V row is then
+    cache-line aligned, which the attention kernel reads fastest."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
     raw = np.zeros(n + 64, dtype=np.uint8)
     off = -raw.ctypes.data % 64
-    return raw[off:off + n].view(np.float32).reshape(shape)
+    return raw[off:off + n].view(dtype).reshape(shape)
 
 
 class KVCache:
     """One sequence's keys and values for every layer.
 
-    k: (layers, capacity, n_kv_heads * head_dim) float32, v likewise with the value
-    width. Capacity doubles when a step needs more room (copying the filled part),
-    up to the engine's context limit; ``tokens`` is the history the cache holds."""
+    k: (layers, capacity, n_kv_heads * head_dim), v likewise with the value width, both
+    ``dtype`` ("f16", the default, or "f32": see KV_DTYPES). Capacity doubles when a step
+    needs more room (copying the filled part), up to the engine's context limit; ``tokens``
+    is the history the cache holds."""
 
-    def __init__(self, n_layers: int, k_width: int, v_width: int, capacity: int = 64):
+    def __init__(self, n_layers: int, k_width: int, v_width: int, capacity: int = 64, dtype: str | None = None):
         self.n_layers, self.k_width, self.v_width = n_layers, k_width, v_width
-        self.k = _zeros_aligned((n_layers, capacity, k_width))  # (L, cap, kw)
-        self.v = _zeros_aligned((n_layers, capacity, v_width))  # (L, cap, vw)
+        self.dtype = kv_dtype(dtype)
+        self.k = _zeros_aligned((n_layers, capacity, k_width), KV_DTYPES[self.dtype])  # (L, cap, kw)
+        self.v = _zeros_aligned((n_layers, capacity, v_width), KV_DTYPES[self.dtype])  # (L, cap, vw)
         self.tokens: list[int] = []
         self._ptrs: tuple = (None, None, None, None)  # k, v and their layer_ptrs()
 
@@ -126,8 +130,8 @@ class KVCache:
         while cap < n:
             cap *= 2
         filled = len(self.tokens)
-        k = _zeros_aligned((self.n_layers, cap, self.k_width))
-        v = _zeros_aligned((self.n_layers, cap, self.v_width))
+        k = _zeros_aligned((self.n_layers, cap, self.k_width), self.k.dtype)
+        v = _zeros_aligned((self.n_layers, cap, self.v_width), self.v.dtype)
         k[:, :filled] = self.k[:, :filled]
         v[:, :filled] = self.v[:, :filled]
         self.k, self.v = k, v
@@ -149,6 +153,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def half(self) -> bool:
+        return self.dtype == "f16"
 
 
 @dataclass
@@ -190,7 +198,7 @@ class Engine:
     """Owns a built model and its run state; ``step`` runs one batched forward pass."""
 
     def __init__(self, model: DecoderLM, *, threads: int | None = None, max_context: int | None = None,
-                 weights=None, adaptive_threads: bool | None = None):
+                 weights=None, adaptive_threads: bool | None = None, kv_cache_dtype: str | None = None):
         self.model = model
         self.weights = weights
         self.cfg = model.cfg
@@ -203,6 +211,9 @@ class Engine:
         self.run_state = RunState()
         attn = model.layers[0].attn
         self._kw, self._vw = attn.k_width, attn.v_width
+        self.kv_cache_dtype = kv_dtype(kv_cache_dtype)  # what every cache of this engine stores
+        if self.kv_cache_dtype == "f16" and not model.f16_kv_ok():
+            self.kv_cache_dtype = "f32"  # heads wider than the f16 attention stages (none known)
         self.last = StepStats()
         self.totals = StepStats()
         self._expert_bytes = sum(
@@ -217,7 +228,7 @@ class Engine:
         return self.governor.active if self.governor is not None else self.threads
 
     def new_cache(self, capacity: int = 64) -> KVCache:
-        return KVCache(self.cfg.num_hidden_layers, self._kw, self._vw, capacity)
+        return KVCache(self.cfg.num_hidden_layers, self._kw, self._vw, capacity, self.kv_cache_dtype)
 
     def step(self, entries: list[tuple[KVCache, list[int]]], all_logits: bool | list[bool] = False) -> np.ndarray:
         """Append entries' tokens to their caches in one forward pass.
@@ -228,6 +239,9 @@ class Engine:
         for cache, toks in entries:
             if not toks:
                 raise InvalidRequestError("a step entry has no tokens")
+            if cache.dtype != self.kv_cache_dtype or (cache.k_width, cache.v_width) != (self._kw, self._vw):
+                raise ValueError(f"a {cache.dtype} cache of widths ({cache.k_width}, {cache.v_width}) given to an "
+                                 f"engine of {self.kv_cache_dtype} caches ({self._kw}, {self._vw}): use new_cache()")
             start = len(cache)
             if start + len(toks) > self.max_context:
                 raise InvalidRequestError(
@@ -288,7 +302,7 @@ class Engine:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{V - 1})")
         batch = Batch(ids=flat.astype(np.int32), pos=np.concatenate(pos),
                       kptr=np.ascontiguousarray(np.concatenate(kp, axis=1)),
-                      vptr=np.ascontiguousarray(np.concatenate(vp, axis=1)))
+                      vptr=np.ascontiguousarray(np.concatenate(vp, axis=1)), half=self.kv_cache_dtype == "f16")
         return batch, np.concatenate(rows).astype(np.intp)
 
     def _one_token(self, cache: KVCache, toks: list[int]) -> tuple[Batch, np.ndarray]:
@@ -297,7 +311,8 @@ class Engine:
         if not 0 <= t < V:
             raise InvalidRequestError(f"token id {t} is outside the vocabulary (0..{V - 1})")
         kp, vp = cache.layer_ptrs()  # (L, 1)
-        return Batch(ids=np.array([t], np.int32), pos=np.array([len(cache)], np.int32), kptr=kp, vptr=vp), _ROW0
+        return Batch(ids=np.array([t], np.int32), pos=np.array([len(cache)], np.int32), kptr=kp, vptr=vp,
+                     half=cache.half), _ROW0
 
     def io_stats(self):
         """The expert store's cumulative counters (None when experts are resident)."""

@@ -156,12 +156,13 @@ class Plan:
         return out
 
 
-def _kv_per_token(cfg) -> int:
+def _kv_per_token(cfg, itemsize: int = 2) -> int:
+    """KV bytes of one token, every layer, at ``itemsize`` bytes a value (f16: 2)."""
     r = cfg.raw
     if cfg.model_type == "deepseek_v3":
         width = int(r.get("kv_lora_rank") or 0) + int(r.get("qk_rope_head_dim") or 0)
-        return cfg.num_hidden_layers * width * 4
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+        return cfg.num_hidden_layers * width * itemsize
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
 F32_MATRICES = ("kv_b_proj", "attn_kv_b", "attn_k_b", "attn_v_b")  # MLA's absorbed kv_b is held in f32
@@ -186,7 +187,8 @@ def _tensor_bytes(shapes, quant: str, head_quant: str) -> tuple[int, int]:
 
 
 def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: str | None = None,
-              ctx: int | None = None, kv_slots: int = 1, ram_budget: int | None = None) -> Plan:
+              ctx: int | None = None, kv_slots: int = 1, ram_budget: int | None = None,
+              kv_cache_dtype: str | None = None) -> Plan:
     """The plan for loading ``path`` (a resolved model path); reads headers only."""
     from coli.config import ModelConfig
     from coli.weights.converted import is_converted, read_manifest
@@ -217,7 +219,9 @@ def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: 
         ck = Checkpoint(path)
         dense, exp = _tensor_bytes([(n, ck.shape(n)) for n in ck.names()], quant, head_quant)
     usable, source = usable_memory()
-    per_token = _kv_per_token(cfg)
+    from coli.kv.dtype import ITEMSIZE, kv_dtype
+
+    per_token = _kv_per_token(cfg, ITEMSIZE[kv_dtype(kv_cache_dtype)])
     buffers = 256 * (4 * cfg.hidden_size + 3 * max(cfg.intermediate_size, cfg.moe_intermediate_size)
                      + cfg.vocab_size) * 4
     held = exp
@@ -246,7 +250,8 @@ def auto_ram_budget(path: str | os.PathLike) -> int | None:
     return usable
 
 
-def check_before_load(path, quant=None, head_quant=None, ctx=None, ram_budget=None) -> tuple[Plan, int | None]:
+def check_before_load(path, quant=None, head_quant=None, ctx=None, ram_budget=None,
+                      kv_cache_dtype=None) -> tuple[Plan, int | None]:
     """The plan of loading ``path``; raises the one-line refusal when it does not fit.
     Also returns the RAM for experts of a converted MoE model: what ``ram_budget`` (the
     whole process) leaves after everything else, or under a cgroup limit /
@@ -257,7 +262,7 @@ def check_before_load(path, quant=None, head_quant=None, ctx=None, ram_budget=No
     budget = ram_budget
     if budget is None and converted:
         budget = auto_ram_budget(path)
-    plan = make_plan(path, quant=quant, head_quant=head_quant, ctx=ctx, ram_budget=budget)
+    plan = make_plan(path, quant=quant, head_quant=head_quant, ctx=ctx, ram_budget=budget, kv_cache_dtype=kv_cache_dtype)
     if ram_budget is not None and (plan.usable is None or ram_budget < plan.usable):
         plan.usable, plan.usable_from = ram_budget, "--ram-budget"  # the whole process must fit in it
     if budget is None and converted and plan.experts_total and plan.usable is not None:

@@ -24,6 +24,7 @@ _coli() {
         "coli bench --threads"|"coli bench -t") COMPREPLY=(); return ;;
         "coli bench --ram-budget") COMPREPLY=(); return ;;
         "coli bench --pin") COMPREPLY=(); return ;;
+        "coli bench --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli bench --prompt-tokens") COMPREPLY=(); return ;;
         "coli bench --gen-tokens") COMPREPLY=(); return ;;
         "coli bench --repeats") COMPREPLY=(); return ;;
@@ -44,6 +45,7 @@ _coli() {
         "coli chat --quant"|"coli chat -q") COMPREPLY=(); return ;;
         "coli chat --ram-budget") COMPREPLY=(); return ;;
         "coli chat --pin") COMPREPLY=(); return ;;
+        "coli chat --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli chat --ctx") COMPREPLY=(); return ;;
         "coli chat --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli chat --speculative") COMPREPLY=(); return ;;
@@ -79,6 +81,7 @@ _coli() {
         "coli plan --ram-budget") COMPREPLY=(); return ;;
         "coli plan --ctx") COMPREPLY=(); return ;;
         "coli plan --kv-slots") COMPREPLY=(); return ;;
+        "coli plan --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli pull --file"|"coli pull -f") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli pull --quant"|"coli pull -q") COMPREPLY=(); return ;;
         "coli run --model"|"coli run -m") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -92,6 +95,7 @@ _coli() {
         "coli run --quant"|"coli run -q") COMPREPLY=(); return ;;
         "coli run --ram-budget") COMPREPLY=(); return ;;
         "coli run --pin") COMPREPLY=(); return ;;
+        "coli run --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli run --ctx") COMPREPLY=(); return ;;
         "coli run --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli run --json-schema") COMPREPLY=(); return ;;
@@ -117,6 +121,7 @@ _coli() {
         "coli serve --quant"|"coli serve -q") COMPREPLY=(); return ;;
         "coli serve --ram-budget") COMPREPLY=(); return ;;
         "coli serve --pin") COMPREPLY=(); return ;;
+        "coli serve --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli serve --ctx") COMPREPLY=(); return ;;
         "coli serve --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli serve --speculative") COMPREPLY=(); return ;;
@@ -145,6 +150,7 @@ _coli() {
         "coli web --quant"|"coli web -q") COMPREPLY=(); return ;;
         "coli web --ram-budget") COMPREPLY=(); return ;;
         "coli web --pin") COMPREPLY=(); return ;;
+        "coli web --kv-cache-dtype") COMPREPLY=(); return ;;
         "coli web --ctx") COMPREPLY=(); return ;;
         "coli web --kv-dir") COMPREPLY=($(compgen -f -- "$cur")); return ;;
         "coli web --speculative") COMPREPLY=(); return ;;
@@ -159,8 +165,8 @@ _coli() {
     case "$cmd" in
         "coli") words="--version atlas bench chat cluster convert decide kv list plan ps pull rm run serve show web"; files=0 ;;
         "coli atlas") words="--model -m --corpus -c --out -o --regions --max-tokens --batch-tokens --restart --threads -t --quant -q"; files=0 ;;
-        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --constrained --schema --batch --speculative --draft-model"; files=0 ;;
-        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
+        "coli bench") words="--model -m --synthetic --quant -q --threads -t --ram-budget --pin --kv-cache-dtype --prompt-tokens --gen-tokens --repeats --prefetch --no-prefetch --io --decode --json --constrained --schema --batch --speculative --draft-model"; files=0 ;;
+        "coli chat") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --threads -t --quant -q --ram-budget --pin --kv-cache-dtype --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --plain --slots --url --api-key --json-schema --grammar"; files=0 ;;
         "coli cluster") words="status"; files=0 ;;
         "coli cluster status") words="--url --address --cluster-name --api-key --json"; files=0 ;;
         "coli convert") words="--quant -q --head-quant --force --calibration"; files=1 ;;
@@ -168,14 +174,14 @@ _coli() {
         "coli kv") words="inspect"; files=0 ;;
         "coli kv inspect") words="--kv-dir --model -m --json"; files=1 ;;
         "coli list") words="--json"; files=0 ;;
-        "coli plan") words="--model -m --quant -q --ram-budget --ctx --kv-slots --json"; files=0 ;;
+        "coli plan") words="--model -m --quant -q --ram-budget --ctx --kv-slots --kv-cache-dtype --json"; files=0 ;;
         "coli ps") words="--json"; files=0 ;;
         "coli pull") words="--file -f --quant -q"; files=0 ;;
         "coli rm") words="--yes -y"; files=0 ;;
-        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --json-schema --grammar --speculative --draft-model"; files=0 ;;
-        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli run") words="--model -m --max-tokens -n --temperature --top-p --top-k --seed --system -s --raw --threads -t --quant -q --ram-budget --pin --kv-cache-dtype --ctx --kv-dir --kv-persist --no-kv-persist --json-schema --grammar --speculative --draft-model"; files=0 ;;
+        "coli serve") words="--model -m --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --kv-cache-dtype --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
         "coli show") words="--json"; files=0 ;;
-        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
+        "coli web") words="--model -m --no-browser --host --port -p --model-id --kv-slots --max-queue --queue-timeout --api-key --allowed-host --cors-origin --max-body --request-timeout --idle-timeout --max-connections --log-format --threads -t --quant -q --ram-budget --pin --kv-cache-dtype --ctx --kv-dir --kv-persist --no-kv-persist --speculative --draft-model --cluster --workers --worker-cpus --routing --state-dir"; files=0 ;;
     esac
     if [[ "$cur" == -* || $files == 0 ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -87,12 +87,13 @@ def test_kv_read_counts_the_positions_each_layer_attends():
 
     def model(*windows):
         layers = [NS(attn=NS(k_width=8, v_width=4, window=w)) for w in windows]
-        return NS(engine=NS(model=NS(layers=layers)))
+        return NS(engine=NS(model=NS(layers=layers), kv_cache_dtype=kv))
 
-    # a run of 4 tokens after 10: the steps attend 11, 12, 13, 14 positions (mean 12.5)
-    assert bench.kv_bytes_read_per_token(model(0), 10, 4) == int(12 * 4 * 12.5)
-    # a window of 12 caps the later steps: 11, 12, 12, 12 -> the ends' mean 11.5
-    assert bench.kv_bytes_read_per_token(model(0, 12), 10, 4) == int(12 * 4 * 12.5 + 12 * 4 * 11.5)
+    for kv, b in (("f32", 4), ("f16", 2)):
+        # a run of 4 tokens after 10: the steps attend 11, 12, 13, 14 positions (mean 12.5)
+        assert bench.kv_bytes_read_per_token(model(0), 10, 4) == int(12 * b * 12.5)
+        # a window of 12 caps the later steps: 11, 12, 12, 12 -> the ends' mean 11.5
+        assert bench.kv_bytes_read_per_token(model(0, 12), 10, 4) == int(12 * b * 12.5 + 12 * b * 11.5)
 
 
 def test_roofline_judges_each_run_against_its_own_probe(tiny):
@@ -100,8 +101,8 @@ def test_roofline_judges_each_run_against_its_own_probe(tiny):
     res = bench.run(m, prompt_tokens=8, gen_tokens=8, repeats=2)
     m.close()
     layers = m.engine.model.layers
-    width = sum(l.attn.k_width + l.attn.v_width for l in layers) * 4
-    assert res.kv_bytes_read_per_token == int(width * (9 + 16) / 2)
+    width = sum(l.attn.k_width + l.attn.v_width for l in layers) * 2  # f16 rows, the default
+    assert res.kv_cache_dtype == "f16" and res.kv_bytes_read_per_token == int(width * (9 + 16) / 2)
     per_token = res.weight_bytes_per_token + res.kv_bytes_read_per_token
     for r in res.runs:
         assert r.bandwidth_bytes_s > 0

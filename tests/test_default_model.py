@@ -47,7 +47,9 @@ def test_logits_match_transformers(model):
     ids = model.prompt_ids("What does 'ocean' mean?")
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(model.forward(ids) - want).max() <= 1e-4
+    exact = coli.load(threads=2, kv_cache_dtype="f32")  # the oracle's arithmetic: float32 keys and values
+    assert np.abs(exact.forward(ids) - want).max() <= 1e-4
+    assert np.abs(model.forward(ids) - want).max() <= 5e-3  # the default f16 cache: measured 2.8e-3
 
 
 def greedy_answer(model, prompt, limit=64):
@@ -125,6 +127,12 @@ PROMPTS = ["What does 'ocean' mean?", "Give a synonym for 'big'.", "What is a ki
            "Give a synonym for 'happy'.", "What does 'mountain' mean?"]
 
 
+def _exact(path=None, **kw):
+    """The model with an f32 KV cache: the KL tolerances below measure the weight formats
+    alone (the f16 cache's own effect is measured in docs/QUANTIZATION.md)."""
+    return coli.load(path, threads=2, kv_cache_dtype="f32", **kw)
+
+
 def _mean_kl(ref, model):
     """Mean KL(ref || model) over every position of PROMPTS (benchmarks/quant_quality.py's)."""
     kl = n = 0.0
@@ -139,13 +147,13 @@ def _mean_kl(ref, model):
 def test_int4_stays_within_the_documented_tolerance():
     """docs/QUANTIZATION.md: int4 with its int8 head, KL <= 0.037 (measured 0.0336; 0.0374
     before the embedding/head's column scales)."""
-    assert _mean_kl(coli.load(threads=2), coli.load(threads=2, quant="int4")) <= 0.037
+    assert _mean_kl(_exact(), _exact(quant="int4")) <= 0.037
 
 
 def test_int4_with_a_4bit_head_within_the_issue_target():
     """docs/QUANTIZATION.md: int4 with a 4-bit head (5.0 bits per weight of the matrices), KL
     <= 0.085 (measured 0.0777; 0.1323 without the embedding/head's column scales)."""
-    assert _mean_kl(coli.load(threads=2), coli.load(threads=2, quant="int4", head_quant="int4")) <= 0.085
+    assert _mean_kl(_exact(), _exact(quant="int4", head_quant="int4")) <= 0.085
 
 
 def test_calibrated_int4_with_a_4bit_head_beats_the_plain_fit(tmp_path):
@@ -158,7 +166,7 @@ def test_calibrated_int4_with_a_4bit_head_beats_the_plain_fit(tmp_path):
     words = ("ocean", "big", "tree", "harbor", "oak", "quick", "happy", "mountain")
     texts = [t for i, t in enumerate(cal.default_texts()) if i % 2 == 0 and not any(w in t.lower() for w in words)]
     out = convert(DEFAULT_MODEL_DIR, tmp_path / "int4-cal", "int4", head_quant="int4", calibration=texts)
-    ref = coli.load(threads=2)
-    calibrated = _mean_kl(ref, coli.load(out, threads=2))
+    ref = _exact()
+    calibrated = _mean_kl(ref, _exact(out))
     assert calibrated <= CAL_KL
-    assert calibrated < _mean_kl(ref, coli.load(threads=2, quant="int4", head_quant="int4"))
+    assert calibrated < _mean_kl(ref, _exact(quant="int4", head_quant="int4"))

@@ -52,7 +52,7 @@ def oracle(smollm):
 
 @pytest.fixture(scope="module")
 def coli_f32(smollm):
-    return coli.load(smollm, quant="f32", threads=2)
+    return coli.load(smollm, quant="f32", threads=2, kv_cache_dtype="f32")  # the oracle computes in float32
 
 
 def test_tokenizer_matches_transformers(oracle, coli_f32):

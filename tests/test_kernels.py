@@ -324,6 +324,133 @@ def test_attention_does_not_depend_on_alignment(nh, nkv, hd, vd, v_stride):
     np.testing.assert_allclose(outs[0], R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.1), **TOL)
 
 
+# ---- the f16 KV cache: rounding on write, exact widening on read
+
+
+def _f16_hard_values(n, rand):
+    """Floats that exercise f32 -> f16 rounding: ordinary values, exact ties at several
+    exponents, values past the largest half (65504) that round to it or overflow, the
+    smallest normals and the subnormals and what underflows to 0, signed zeros and infinities."""
+    x = rand(n, scale=3.0)
+    ulp = np.float32(2.0 ** -10)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 70000, -65520, 2 ** -14, 2 ** -24,
+                         2 ** -25, 2 ** -25 * 1.0001, 3 * 2 ** -25, 2 ** -26, 1e-9, 6.1e-5, -6.0e-8,
+                         1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), 1024 + 0.5, 1025 + 0.5, 2 ** -14 * (1 + ulp / 2)],
+                        np.float32)
+    both = np.concatenate([specials, specials * np.float32(1.5)])[:n]
+    x[: len(both)] = both
+    return x
+
+
+def _as_half_cache(a):
+    """A float16 copy of a float32 array at the same element offset from 64 bytes."""
+    h = np.empty(a.shape, np.float16)
+    h[:] = a
+    return h
+
+
+@pytest.mark.parametrize("w", [1, 7, 8, 16, 33, 64, 200])
+def test_kv_write_half_rounds_like_numpy(w):
+    """An f16 cache gets each row rounded to nearest even, as NumPy's astype(float16), bit for
+    bit: ties, overflow to inf, half subnormals and underflow included (the SIMD conversion
+    and its scalar tail alike)."""
+    M, cap = 6, 10
+    rand = _own_rand(w)
+    k, v = _f16_hard_values(M * w, rand).reshape(M, w), rand(M, w)
+    kc, vc = np.zeros((cap, w), np.float16), np.zeros((cap, w), np.float16)
+    pos = np.array([0, 3, 9, 1, 2, 5], np.int32)
+    K.kv_write(k, v, np.full(M, kc.ctypes.data, np.int64), np.full(M, vc.ctypes.data, np.int64), pos, True)
+    with np.errstate(over="ignore"):  # the values past 65520 are meant to overflow to inf
+        want = k.astype(np.float16)
+    np.testing.assert_array_equal(kc[pos].view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(vc[pos].view(np.uint16), v.astype(np.float16).view(np.uint16))
+    assert not kc[[4, 6, 7, 8]].any()
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd", ATT_DIMS)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 5.0)])
+def test_attention_half_is_float32_of_the_rounded_values(nh, nkv, hd, vd, window, softcap):
+    """Attention over f16 caches gives the very bits of attention over float32 caches that
+    hold the same rounded values (blocks are widened exactly, then the float32 arithmetic
+    runs), for rows of two sequences at block and chunk boundaries."""
+    rand = _own_rand(hd * 7 + vd + window)
+    caps = [9, 301]
+    seq = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1], np.int64)
+    pos = np.array([7, 8, 0, 14, 15, 16, 64, 65, 300], np.int32)
+    k16 = [rand(c, nkv * hd).astype(np.float16) for c in caps]
+    v16 = [rand(c, nkv * vd).astype(np.float16) for c in caps]
+    k32 = [at_offset(a.shape, 3) for a in k16]
+    v32 = [at_offset(a.shape, 0) for a in v16]
+    for a, b in zip(k32 + v32, k16 + v16):
+        a[:] = b
+    M = len(pos)
+    q = rand(M, nh * hd)
+    outs = []
+    for ks, vs, half in ((k32, v32, False), (k16, v16, True)):
+        out = np.empty((M, nh * vd), np.float32)
+        K.attention(q, np.array([ks[s].ctypes.data for s in seq]), np.array([vs[s].ctypes.data for s in seq]), pos,
+                    out, nh, nkv, hd, vd, hd ** -0.5, window, softcap, 0, half)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    ref = R.attention(q, [k32[s].reshape(-1, nkv, hd) for s in seq], [v32[s].reshape(-1, nkv, vd) for s in seq], pos,
+                      nh, nkv, hd, vd, hd ** -0.5, window, softcap)
+    np.testing.assert_allclose(outs[1], ref, **TOL)
+
+
+@pytest.mark.parametrize("nh,hd,vd", [(4, 72, 64), (8, 576, 512)])
+def test_attention_half_values_inside_key_rows(nh, hd, vd):
+    """MLA's layout in an f16 cache: one cache, values the leading vd halves of each key row."""
+    rand = _own_rand(hd)
+    cap, pos = 70, np.array([0, 31, 69], np.int32)
+    c16 = rand(cap, hd).astype(np.float16)
+    c32 = c16.astype(np.float32)
+    q = rand(len(pos), nh * hd)
+    outs = []
+    for c, half in ((c32, False), (c16, True)):
+        out = np.empty((len(pos), nh * vd), np.float32)
+        ptr = np.full(len(pos), c.ctypes.data, np.int64)
+        K.attention(q, ptr, ptr, pos, out, nh, 1, hd, vd, 0.05, 0, 0.0, hd, half)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_attention_front_half_writes_rounded_rows_and_attends_them():
+    """attention_front on f16 caches: the rows it writes are the float32 front's rows rounded,
+    and its fused attention is attention over those f16 caches."""
+    rand = _own_rand(5)
+    nh, nkv, hd, L, layer, cap = 6, 2, 32, 2, 1, 140
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    pos = np.array([3, 70, 139], np.int32)
+    hist = [rand(L, cap, nkv * hd).astype(np.float16) for _ in range(2)]
+    q, k, v = rand(3, nh * hd), rand(3, nkv * hd), rand(3, nkv * hd)
+    front = K.AttentionFront(nh, nkv, hd, hd, inv, 1.0, None, None, None, 1e-5, False, 0.2)
+    got = []
+    for fused in (False, True):
+        c = [h.copy() for h in hist]
+        kptr = np.array([[c[0].ctypes.data + l * c[0].strides[0]] * 3 for l in range(L)])
+        vptr = np.array([[c[1].ctypes.data + l * c[1].strides[0]] * 3 for l in range(L)])
+        qq, kk, out = q.copy(), k.copy(), np.empty((3, nh * hd), np.float32)
+        if fused:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer, out, True)
+        else:
+            K.attention_front(front, qq, kk, v, pos, kptr, vptr, layer, None, True)
+            np.testing.assert_array_equal(c[0][layer, pos].view(np.uint16), kk.astype(np.float16).view(np.uint16))
+            np.testing.assert_array_equal(c[1][layer, pos].view(np.uint16), v.astype(np.float16).view(np.uint16))
+            K.attention(qq, kptr[layer], vptr[layer], pos, out, nh, nkv, hd, hd, 0.2, 0, 0.0, 0, True)
+        got.append((out, c))
+    np.testing.assert_array_equal(got[1][0], got[0][0])
+    for a, b in zip(got[0][1], got[1][1]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_attention_half_refuses_heads_wider_than_the_buffer():
+    c = np.zeros((4, 640), np.float16)
+    ptr = np.full(1, c.ctypes.data, np.int64)
+    with pytest.raises(ValueError, match="f16 cache needs head dims <= 576"):
+        K.attention(np.zeros((1, 640), np.float32), ptr, ptr, np.zeros(1, np.int32), np.empty((1, 640), np.float32), 1, 1, 640, 640,
+                    0.1, 0, 0.0, 0, True)
+
+
 @pytest.mark.parametrize("M,E,k", [(1, 4, 1), (7, 8, 2), (5, 33, 4)])
 @pytest.mark.parametrize("renorm", [False, True])
 def test_moe_route_softmax(M, E, k, renorm):
@@ -457,20 +584,24 @@ def test_head_matmul(M, nh, a, b):
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(2, 1, 64), (8, 2, 128), (6, 3, 72), (5, 5, 40)])
-def test_attention_threads_bit_identical(nh, nkv, hd):
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_attention_threads_bit_identical(nh, nkv, hd, half):
     """One row of three 64-key chunks, computed apart and merged (2 threads) or in turn (1
     thread): the same bits, whether a misaligned KV group is read directly (a lone head) or
-    realigned first (several heads)."""
+    realigned first (several heads), and from an f16 cache."""
+    rnd = _own_rand(nh * hd) if half else rand  # (the f32 cases draw what they always drew)
     cap, pos = 150, np.array([149], np.int32)
     kc, vc = at_offset((cap, nkv * hd), 4), at_offset((cap, nkv * hd), 8)
-    kc[:], vc[:] = rand(cap, nkv * hd), rand(cap, nkv * hd)
+    kc[:], vc[:] = rnd(cap, nkv * hd), rnd(cap, nkv * hd)
+    if half:
+        kc, vc = kc.astype(np.float16), vc.astype(np.float16)
     kptr, vptr = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
-    q = rand(1, nh * hd)
+    q = rnd(1, nh * hd)
     outs = []
     for t in (1, 2):
         K.set_num_threads(t)
         out = np.empty((1, nh * hd), np.float32)
-        K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2)
+        K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, hd, 0.2, 0, 0.0, 0, half)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
 

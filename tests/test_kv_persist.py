@@ -68,6 +68,37 @@ def test_file_starts_with_magic_version_and_header(tmp_path):
     assert len(data) == 16 + hlen + 4 * 5 * (1 + 3 * 16) + 8
 
 
+def test_f16_cache_round_trips_bit_for_bit_at_half_the_size(tmp_path):
+    """An f16 cache (the default) is saved as float16: the same bits back, 2 bytes a value."""
+    layout = Layout(LAYOUT.fingerprint, 3, 8, 8, dtype="float16")
+    toks, k, v = state(5, 1)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    write_state(tmp_path / ".coli_kv", layout, toks, k, v)
+    data = (tmp_path / ".coli_kv").read_bytes()
+    hlen = struct.unpack_from("<8sII", data)[2]
+    header = json.loads(data[16 : 16 + hlen])
+    assert header["dtype"] == "float16" and header["layout"].startswith("tokens:int32[n] k:float16[")
+    assert len(data) == 16 + hlen + 4 * 5 + 2 * 5 * 3 * 16 + 8
+    got = read_state(tmp_path / ".coli_kv", layout)
+    assert got.k.dtype == np.float16 and got.tokens == toks
+    assert np.array_equal(got.k.view(np.uint16), k.view(np.uint16)) and np.array_equal(got.v.view(np.uint16),
+                                                                                      v.view(np.uint16))
+
+
+def test_state_of_the_other_kv_dtype_is_ignored(tmp_path):
+    """A cache saved at f32 is not reused by an f16 engine (nor the reverse): the engine would
+    not have computed those values. One notice, and the slot starts empty."""
+    f16 = Layout(LAYOUT.fingerprint, 3, 8, 8, dtype="float16")
+    toks, k, v = state(10, 3)
+    write_state(tmp_path / ".coli_kv", LAYOUT, toks, k, v)
+    got, notes = restore(tmp_path, f16)
+    assert got is None and len(notes) == 1 and "dtype is 'float32'" in notes[0], notes
+    write_state(tmp_path / ".coli_kv", f16, toks, k.astype(np.float16), v.astype(np.float16))
+    got, notes = restore(tmp_path, LAYOUT)
+    assert got is None and len(notes) == 1 and "dtype is 'float16'" in notes[0], notes
+    assert restore(tmp_path, f16)[0].tokens == toks
+
+
 def _flip(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
 

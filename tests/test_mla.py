@@ -21,8 +21,8 @@ def test_mla_cache_holds_only_latent_and_rope_key(hf_models):
     cache = m.engine.new_cache()
     m.engine.step([(cache, prompt_ids(5))])
     per_token = (cache.k.shape[2] + cache.v.shape[2]) * cache.k.itemsize * cache.k.shape[0]
-    want = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * cfg["num_hidden_layers"] * 4
-    assert per_token == want == cache_bytes_per_token(m.config)[0]
+    want = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * cfg["num_hidden_layers"] * 2  # f16, the default
+    assert per_token == want == cache_bytes_per_token(m.config, 2)[0]
 
 
 def test_mla_saving_at_deepseek_v3_dimensions():
@@ -39,8 +39,8 @@ def test_bench_reports_kv_bytes_against_expanded(hf_models):
 
     m = coli.load(hf_models("deepseek_v3"))
     r = bench.run(m, prompt_tokens=8, gen_tokens=2, repeats=1)
-    assert r.kv_bytes_per_token == cache_bytes_per_token(m.config)[0]
-    assert r.kv_bytes_per_token_expanded == cache_bytes_per_token(m.config)[1] > r.kv_bytes_per_token
+    assert r.kv_bytes_per_token == cache_bytes_per_token(m.config, 2)[0]
+    assert r.kv_bytes_per_token_expanded == cache_bytes_per_token(m.config, 2)[1] > r.kv_bytes_per_token
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])

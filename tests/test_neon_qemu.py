@@ -109,6 +109,11 @@ def run(name, build_dir, requests: bytes) -> bytes:
     return r.stdout
 
 
+def _to_f16(x):
+    with np.errstate(over="ignore"):  # past 65520 is meant to overflow to inf
+        return x.astype(np.float16)
+
+
 def header(op, ints=(), floats=()):
     ints, floats = list(ints) + [0] * (7 - len(ints)), list(floats) + [0.0] * (4 - len(floats))
     return struct.pack("<8i4f", op, *ints, *floats)
@@ -221,16 +226,27 @@ def cases():
                                            err_msg=f"token panels {fmt} M={M} N={N} K={K}")
             out.append((req, check))
 
-    for nh, nkv, hd, vd, T, softcap in ATTEND_SHAPES:
-        q, k, v = rand(nh, hd), rand(T, nkv, hd), rand(T, nkv, vd)
-        scale = hd ** -0.5
-        req = header(3, (nh, nkv, hd, vd, T), (scale, softcap)) + q.tobytes() + k.tobytes() + v.tobytes()
+    for half in (0, 1):  # float32 caches, and f16 ones (widened as they are read)
+        for nh, nkv, hd, vd, T, softcap in ATTEND_SHAPES:
+            q, k, v = rand(nh, hd), rand(T, nkv, hd), rand(T, nkv, vd)
+            if half:
+                k, v = k.astype(np.float16), v.astype(np.float16)
+            scale = hd ** -0.5
+            req = header(3, (nh, nkv, hd, vd, T, half), (scale, softcap)) + q.tobytes() + k.tobytes() + v.tobytes()
 
-        def check(rd, target, q=q, k=k, v=v, nh=nh, nkv=nkv, hd=hd, vd=vd, T=T, scale=scale, softcap=softcap):
-            ref = R.attention(q.reshape(1, -1), [k], [v], np.array([T - 1]), nh, nkv, hd, vd, scale, 0, softcap)
-            np.testing.assert_allclose(rd.take(np.float32, nh * vd), ref[0], **TOL,
-                                       err_msg=f"attend nh={nh} nkv={nkv} hd={hd} vd={vd} T={T}")
-        out.append((req, check))
+            def check(rd, target, q=q, k=k, v=v, nh=nh, nkv=nkv, hd=hd, vd=vd, T=T, scale=scale, softcap=softcap,
+                      half=half):
+                ref = R.attention(q.reshape(1, -1), [k.astype(np.float32)], [v.astype(np.float32)], np.array([T - 1]),
+                                  nh, nkv, hd, vd, scale, 0, softcap)
+                np.testing.assert_allclose(rd.take(np.float32, nh * vd), ref[0], **TOL,
+                                           err_msg=f"attend nh={nh} nkv={nkv} hd={hd} vd={vd} T={T} half={half}")
+            out.append((req, check))
+
+    x = rand(301) * np.float32(3.0)
+    x[:12] = [0.0, -0.0, np.inf, 65504, 65520, 70000, 2 ** -14, 2 ** -24, 2 ** -25, 3 * 2 ** -25, 1 + 2 ** -11, 1e-9]
+    req = header(6, (len(x),)) + x.tobytes()
+    out.append((req, lambda rd, target, x=x: np.testing.assert_array_equal(
+        rd.take(np.uint16, len(x)), _to_f16(x).view(np.uint16), err_msg="f32 -> f16 rounding")))
 
     for n in (1, 4, 37, 64):
         x, y = rand(n), rand(n)

@@ -96,8 +96,9 @@ def test_plan_numbers_follow_format_ctx_and_slots(big_model, monkeypatch):
     int4s = make_plan(big_model, quant="int4s", ctx=1024)
     assert int4s.weights < int4.weights < f32.weights / 4  # 4.5 and 5 bits (int8 embeddings and head)
     assert make_plan(big_model, ctx=2048, kv_slots=3).kv == 6 * f32.kv
-    per_token = 4 * 2 * 512 * 4  # layers x (k + v) x kv width x 4 bytes
+    per_token = 4 * 2 * 512 * 2  # layers x (k + v) x kv width x 2 bytes (the default f16 cache)
     assert f32.kv_per_token == per_token
+    assert make_plan(big_model, ctx=1024, kv_cache_dtype="f32").kv == 2 * f32.kv
     assert usable_memory() == (64 << 30, "COLI_MEMORY_LIMIT")
     monkeypatch.setenv("COLI_MEMORY_LIMIT", "lots")
     with pytest.raises(ModelLoadError, match="COLI_MEMORY_LIMIT"):

@@ -150,7 +150,7 @@ def test_health_has_a_public_part(keyed):
     assert "model" not in public and "memory" not in public
     _, _, full = http(keyed, "GET", "/health", headers={"x-api-key": "s3cret"})
     assert full["model"] == "tiny" and full["memory"]["experts_ram_bytes"] > 0 and full["hardware"]["threads"] == 1 \
-        and full["hardware"]["threads_in_use"] == 1
+        and full["hardware"]["threads_in_use"] == 1 and full["kv_cache_dtype"] == "f16"
 
 
 @pytest.mark.parametrize("host,ok", [("127.0.0.1:8000", True), ("localhost", True), ("[::1]:8000", True),

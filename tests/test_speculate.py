@@ -516,7 +516,7 @@ def test_mtp_drafts_are_the_mtp_layer_and_greedy_output_is_unchanged(arch, tmp_p
     import torch
 
     path, big, extra = _with_mtp(tmp_path, arch)
-    model = coli.load(path, threads=1)
+    model = coli.load(path, threads=1, kv_cache_dtype="f32")  # the MTP layer against transformers: as computed
     n = model.config.num_hidden_layers
     # the MTP layer against transformers' own decoder layer (the checkpoint's layer n) and the
     # MTP formula: entry i = block(eh_proj([enorm(embed(tok[i+1])), hnorm(norm(h[i]))]))
@@ -580,7 +580,7 @@ def test_mtp_chains_on_its_own_output_and_converted_dirs_keep_it(arch, tmp_path,
     from coli.weights.convert import convert
 
     path, big, extra = _with_mtp(tmp_path, arch)
-    model = coli.load(path, threads=1)
+    model = coli.load(path, threads=1, kv_cache_dtype="f32")  # the MTP layer against transformers: as computed
     n = model.config.num_hidden_layers
     ids = LOOP[:12]
 

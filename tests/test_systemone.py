@@ -279,15 +279,16 @@ def test_renaming_and_reordering_questions_changes_nothing(srv, names, order):
     assert list(body["answers"]) == list(renamed)
     for i in order:
         assert body["answers"][names[i]] == base[keys[i]]
-    # alone, its rows run in a smaller batch: the kernels may round differently in the last bits
+    # alone, its rows run in a smaller batch: the kernels may round differently in the last bits,
+    # and the f16 KV cache can turn such a difference into one of a half's rounding steps (2^-11)
     alone = post(srv, {"state": state, "questions": {"x": QUESTIONS[keys[order[0]]]}})[2]["answers"]["x"]
     want = base[keys[order[0]]]
     assert alone.keys() == want.keys() and alone.get("choice") == want.get("choice")
     for k, v in alone.items():
         if isinstance(v, float):
-            assert v == pytest.approx(want[k], abs=1e-6)
+            assert v == pytest.approx(want[k], abs=2e-5)
         elif k == "probabilities":
-            assert v.keys() == want[k].keys() and list(v.values()) == pytest.approx(list(want[k].values()), abs=1e-6)
+            assert v.keys() == want[k].keys() and list(v.values()) == pytest.approx(list(want[k].values()), abs=2e-5)
 
 
 def test_concurrent_requests_all_answer(srv):

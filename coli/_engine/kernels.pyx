@@ -53,11 +53,15 @@ cdef extern from *:
 cdef extern from "simd.h" nogil:
     float coli_dot(const float *a, const float *b, int K)
     void coli_scale_add(float *y, float a, const float *x, float b, int n)
-    void coli_attend_part(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0, int nb,
-                          int c0, int c1, int hd, int vd, float scale, float softcap, float *oc, long ldo,
-                          float *ml, long lds)
-    void coli_attend_seq(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0, int nb,
-                         int j0, int j1, int hd, int vd, float scale, float softcap, float *o, float *tmp)
+    void coli_attend_part(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0, int nb,
+                          int c0, int c1, int hd, int vd, float scale, float softcap, int half, float *oc,
+                          long ldo, float *ml, long lds)
+    void coli_attend_seq(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0, int nb,
+                         int j0, int j1, int hd, int vd, float scale, float softcap, int half, float *o,
+                         float *tmp)
+    void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
+    void coli_to_f16_row(const float *x, int d, uint16_t *h)
+    void coli_f16_row(const uint16_t *h, int d, float *o)
     void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
@@ -68,6 +72,7 @@ cdef extern from "simd.h" nogil:
         COLI_NP
         COLI_ATT_CH
         COLI_ATT_HB
+        COLI_STAGE_LD
 
 cdef extern from "simd_q.h" nogil:
     ctypedef struct coli_mat:
@@ -464,8 +469,8 @@ cdef inline void _sumsq4(float **rows, int L, double *ss) noexcept nogil:
     ss[0], ss[1], ss[2], ss[3] = s0, s1, s2, s3
 
 
-cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int pos, float *kc, float *vc,
-                     int kw, int vw) noexcept nogil:
+cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int pos, void *kc, void *vc,
+                     int kw, int vw, int half) noexcept nogil:
     """attention_front for one row: q (nh*hd), k (kw = nkv*hd), v (vw) floats."""
     cdef double ss[4]
     cdef float *rows[4]
@@ -490,12 +495,12 @@ cdef void _front_row(const qk_front *f, float *q, float *k, const float *v, int 
         _scale_row(q, qw, ss[0], f.eps, f.qw, f.off, q)
         _scale_row(k, kw, ss[1], f.eps, f.kw, f.off, k)
     _rope_row(q, f.nh, k, f.nkv, f.hd, f.half, pos, f.inv_freq, f.scaling)
-    memcpy(kc + <long>pos * kw, k, kw * sizeof(float))  # kv_write
+    coli_kv_put(kc, pos, k, kw, half)  # kv_write
     if vw > 0:
-        memcpy(vc + <long>pos * vw, v, vw * sizeof(float))
+        coli_kv_put(vc, pos, v, vw, half)
 
 
-def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, out=None):
+def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, out=None, bint half=False):
     """Everything attention does to a step's new q, k, v before the scores, one row m at a
     time: the RMSNorm of q[m] and k[m] that ``front`` names, RoPE at position pos[m] (both
     in place), then k[m] and v[m] written into the layer's caches at kptr[layer, m] /
@@ -506,7 +511,8 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, o
     call per layer instead of two).
 
     q (M, n_heads*head_dim), k (M, n_kv_heads*head_dim), v (M, any width) float32;
-    pos (M,) int32; kptr, vptr (L, M) int64 (a Batch's), 0 <= layer < L."""
+    pos (M,) int32; kptr, vptr (L, M) int64 (a Batch's), 0 <= layer < L; half: the caches
+    are f16 (see kv_write)."""
     cdef float *qp = <float *>_arr(q, cnp.NPY_FLOAT32, 2, True, "attention_front: q")
     cdef float *kp = <float *>_arr(k, cnp.NPY_FLOAT32, 2, True, "attention_front: k")
     cdef const float *vp = <const float *>_arr(v, cnp.NPY_FLOAT32, 2, False, "attention_front: v")
@@ -527,22 +533,24 @@ def attention_front(AttentionFront front, q, k, v, pos, kptr, vptr, int layer, o
         a.out = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "attention_front: out")
         if _dim(out, 0) != M or _dim(out, 1) != f.nh * f.hd or vw != kw:
             raise ValueError("attention_front: out must be (M, n_heads*head_dim) and v as wide as k")
+        if half and f.hd > COLI_STAGE_LD:
+            raise ValueError(f"attention: an f16 cache needs head dims <= {COLI_STAGE_LD}")
     cdef int nt = _team(<long>M * (f.nh + f.nkv) * f.hd * 2)
     with nogil:
         if nt == 1:
             for m in range(M):
                 _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
-                           <float *>kc[m], <float *>vc[m], kw, vw)
+                           <void *>kc[m], <void *>vc[m], kw, vw, half)
         else:
             for m in prange(M, num_threads=nt, schedule='static'):
                 _front_row(f, qp + <long>m * f.nh * f.hd, kp + <long>m * kw, vp + <long>m * vw, pp[m],
-                           <float *>kc[m], <float *>vc[m], kw, vw)
+                           <void *>kc[m], <void *>vc[m], kw, vw, half)
     if out is None:
         return
     a.q, a.kptr, a.vptr, a.pos = qp, kc, vc, pp
     a.nh, a.nkv, a.hd, a.vd, a.window = f.nh, f.nkv, f.hd, f.hd, front.window
     a.vs = kw
-    a.scale, a.softcap = front.scale, front.softcap
+    a.scale, a.softcap, a.half = front.scale, front.softcap, half
     _attend(&a, M)
 
 
@@ -578,19 +586,20 @@ cdef inline void _rope_row(float *q, int nq, float *k, int nk, int hd, int half,
 
 
 def kv_write(const float[:, ::1] k, const float[:, ::1] v, const int64_t[::1] kptr,
-             const int64_t[::1] vptr, const int32_t[::1] pos):
+             const int64_t[::1] vptr, const int32_t[::1] pos, bint half=False):
     """Copy row m of k / v into its sequence's cache at position pos[m].
 
-    kptr[m] / vptr[m] are the addresses of that sequence's (capacity, width) float32
-    cache of the current layer; the caller guarantees pos[m] < capacity."""
+    kptr[m] / vptr[m] are the addresses of that sequence's (capacity, width) cache of the
+    current layer: float32, or with ``half`` f16, the rows rounded to nearest even (NumPy's
+    ``astype(np.float16)``); the caller guarantees pos[m] < capacity."""
     cdef int M = k.shape[0], kw = k.shape[1], vw = v.shape[1], m
     if v.shape[0] != M or kptr.shape[0] != M or vptr.shape[0] != M or pos.shape[0] != M:
         raise ValueError("kv_write: shape mismatch")
     with nogil:
         for m in range(M):
-            memcpy(<float *>kptr[m] + <long>pos[m] * kw, &k[m, 0], kw * sizeof(float))
+            coli_kv_put(<void *>kptr[m], pos[m], &k[m, 0], kw, half)
             if vw > 0:  # MLA keeps its values inside the key rows
-                memcpy(<float *>vptr[m] + <long>pos[m] * vw, &v[m, 0], vw * sizeof(float))
+                coli_kv_put(<void *>vptr[m], pos[m], &v[m, 0], vw, half)
 
 
 cdef struct att_call:
@@ -602,6 +611,7 @@ cdef struct att_call:
     int nh, nkv, group, nsb, hd, vd, window, maxch
     long ks, vs
     float scale, softcap
+    int half        # the caches are f16 (else float32)
     float *slots    # split calls: chunk outputs (M, nh, maxch, vd), then their max and sum (M, nh, maxch, 2)
     float *ml
 
@@ -625,13 +635,18 @@ cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
     return g * a.group + sb * COLI_ATT_HB
 
 
+cdef inline const void *_kv_at(int64_t base, long i, int half) noexcept nogil:
+    """The cache address base advanced by i elements (f16 or float32)."""
+    return <const void *>(<const char *>base + i * (2 if half else 4))
+
+
 cdef void _att_seq(const att_call *a, long idx, float *tmp) noexcept nogil:
     """Item idx = m * units + u: unit u of row m over all its keys, chunk after chunk."""
     cdef int units = a.nkv * a.nsb, nb
     cdef int m = idx // units, h0 = _att_heads(a, idx - <long>m * units, &nb), g = h0 // a.group
-    coli_attend_seq(a.q + <long>m * a.nh * a.hd, <const float *>a.kptr[m] + <long>g * a.hd, a.ks,
-                    <const float *>a.vptr[m] + <long>g * a.vd, a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
-                    a.hd, a.vd, a.scale, a.softcap, a.out + <long>m * a.nh * a.vd, tmp)
+    coli_attend_seq(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, a.half), a.ks,
+                    _kv_at(a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
+                    a.hd, a.vd, a.scale, a.softcap, a.half, a.out + <long>m * a.nh * a.vd, tmp)
 
 
 cdef void _att_part(const att_call *a, long idx) noexcept nogil:
@@ -646,9 +661,9 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
     cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
-    coli_attend_part(a.q + <long>m * a.nh * a.hd, <const float *>a.kptr[m] + <long>g * a.hd, a.ks,
-                     <const float *>a.vptr[m] + <long>g * a.vd, a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
-                     a.softcap, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, a.half), a.ks,
+                     _kv_at(a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
+                     a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
@@ -668,15 +683,17 @@ cdef float *_att_scratch(size_t need) except NULL:
 
 
 def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim, int v_head_dim, float scale,
-              int window=0, float softcap=0.0, int v_stride=0):
+              int window=0, float softcap=0.0, int v_stride=0, bint half=False):
     """Causal attention of each query row over its own sequence's cache.
 
     q: (M, n_heads*head_dim) float32; kptr, vptr (M,) int64, pos (M,) int32; out (M,
     n_heads*v_head_dim) float32 (ndarrays). The cache behind kptr[m] is (capacity, n_kv_heads,
     head_dim), behind vptr[m] (capacity, n_kv_heads, v_head_dim) — or, with v_stride,
-    positions v_stride floats apart (MLA reads its values from the leading part of its key
+    positions v_stride elements apart (MLA reads its values from the leading part of its key
     rows); row m attends positions [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when
-    window <= 0).
+    window <= 0). The caches are float32, or f16 with ``half`` (head dims up to COLI_STAGE_LD,
+    576): each block of keys or values is widened once, exactly, into a small buffer the
+    block's heads share, so the output is the bits of a float32 cache holding the same values.
 
     A row's keys are taken in fixed chunks of COLI_ATT_CH (64) counted from its first key, its
     heads in runs of up to COLI_ATT_HB (4) of one KV group (which share every K / V row they
@@ -703,7 +720,9 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
         raise ValueError("attention: shape mismatch")
     a.nh, a.nkv, a.hd, a.vd, a.window = n_heads, n_kv_heads, head_dim, v_head_dim, window
     a.vs = v_stride if v_stride > 0 else <long>n_kv_heads * v_head_dim
-    a.scale, a.softcap = scale, softcap
+    a.scale, a.softcap, a.half = scale, softcap, half
+    if half and (head_dim > COLI_STAGE_LD or v_head_dim > COLI_STAGE_LD):
+        raise ValueError(f"attention: an f16 cache needs head dims <= {COLI_STAGE_LD}")
     _attend(&a, M)
 
 

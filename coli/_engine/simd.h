@@ -85,6 +85,93 @@ static inline float cv_sum(cv_t v) { return v; }
 
 static inline const char *coli_simd_name(void) { return COLI_SIMD_NAME; }
 
+/* ---- half precision: weight scales and the f16 KV cache ---------------------------------
+ * IEEE binary16 <-> float32. Widening is exact. Narrowing rounds to nearest, ties to even
+ * (as vcvtps2ph with _MM_FROUND_TO_NEAREST_INT, NEON's default rounding and NumPy's
+ * astype(float16)), with overflow to +-inf and gradual underflow to half subnormals. */
+static inline float coli_f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(COLI_NEON)
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        if (m == 0) bits = s;
+        else { e = 127 - 15 + 1; while (!(m & 0x400)) { m <<= 1; e--; } bits = s | (e << 23) | ((m & 0x3ff) << 13); }
+    } else if (e == 31) bits = s | 0x7f800000 | (m << 13);
+    else bits = s | ((e + 127 - 15) << 23) | (m << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+static inline uint16_t coli_f32_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(COLI_NEON)
+    return vget_lane_u16(vreinterpret_u16_f16(vcvt_f16_f32(vdupq_n_f32(f))), 0);
+#else
+    uint32_t x, s, a;
+    memcpy(&x, &f, 4);
+    s = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(s | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN stays NaN, quiet */
+    if (a >= 0x477ff000u) return (uint16_t)(s | 0x7c00u);                       /* >= 65520: inf */
+    if (a >= 0x38800000u) {                                                      /* a normal half */
+        uint32_t r = a - 0x38000000u;                                            /* exponent rebiased */
+        return (uint16_t)(s | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+    }
+    int shift = 126 - (int)(a >> 23); /* a subnormal half (or zero): units of 2^-24 */
+    if (shift > 25) return (uint16_t)s;
+    uint32_t m = (a & 0x7fffffu) | (a >> 23 ? 0x800000u : 0u), q = m >> shift, rem = m & ((1u << shift) - 1u),
+             half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(s | q);
+#endif
+}
+
+/* o[:d] = h[:d] widened */
+static inline void coli_f16_row(const uint16_t *h, int d, float *o) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+    if (i < d) {
+        __mmask16 k = (__mmask16)((1u << (d - i)) - 1u);
+        _mm512_mask_storeu_ps(o + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
+        return;
+    }
+#elif defined(__F16C__)
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(COLI_NEON)
+    for (; i + 4 <= d; i += 4) vst1q_f32(o + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < d; i++) o[i] = coli_f16_to_f32(h[i]);
+}
+
+/* h[:d] = x[:d] narrowed (round to nearest even) */
+static inline void coli_to_f16_row(const float *x, int d, uint16_t *h) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16)
+        _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__F16C__)
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(COLI_NEON)
+    for (; i + 4 <= d; i += 4) vst1_u16(h + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(x + i))));
+#endif
+    for (; i < d; i++) h[i] = coli_f32_to_f16(x[i]);
+}
+
+/* One KV row written at row `pos` of a cache of `half` precision (f16) or float32, w floats wide. */
+static inline void coli_kv_put(void *cache, long pos, const float *x, int w, int half) {
+    if (half) coli_to_f16_row(x, w, (uint16_t *)cache + pos * w);
+    else memcpy((float *)cache + pos * w, x, (size_t)w * sizeof(float));
+}
+
+/* p advanced by i elements of a KV cache of `half` precision or float32 */
+#define COLI_KV_AT(p, i, half) ((const void *)((const char *)(p) + (long)(i) * ((half) ? 2 : 4)))
+
 /* dot(a[:K], b[:K]) */
 static inline float coli_dot(const float *a, const float *b, int K) {
     cv_t acc0 = cv_zero(), acc1 = cv_zero();
@@ -497,31 +584,56 @@ static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs,
 
 static inline float coli_exp1(float x) { return cv_first(cv_exp(cv_set1(x))); }
 
+/* n rows of d halves, rs halves apart, widened into B (rows ld floats apart): an f16 cache's
+ * block of keys or values, read once from memory and then by every head of the item from L1. */
+static inline void coli_f16_rows(const uint16_t *R, long rs, int n, int d, float *B, long ld) {
+    for (int i = 0; i < n; i++) coli_f16_row(R + (long)i * rs, d, B + (long)i * ld);
+}
+
+/* Ask for the cache lines of n rows of d halves, rs halves apart, ahead of their use: an f16
+ * block's widening is a short chain per row, so without it too few lines are in flight. */
+static inline void coli_f16_prefetch(const uint16_t *R, long rs, int n, int d) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < d; j += 32) __builtin_prefetch(R + (long)i * rs + j, 0, 3);
+}
+
 /* One work item: heads h0 .. h0+nb-1 of one row (nb <= COLI_ATT_HB, all of one KV head) against
  * keys [c0, c1) (c1 - c0 <= COLI_ATT_CH). q: the row's queries (head h at q + h*hd); Kg, Vg: that
- * KV head's rows (key j at Kg + j*ks, Vg + j*vs). Writes head h0+i's unnormalized chunk output
- * o_c to oc + i*ldo (vd floats), its max m_c to ml[i*lds] and its sum l_c to ml[i*lds + 1].
- * softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores. Allocates nothing. */
-static inline void coli_attend_part(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0,
-                                    int nb, int c0, int c1, int hd, int vd, float scale, float softcap, float *oc,
-                                    long ldo, float *ml, long lds) {
+ * KV head's rows (key j at Kg + j*ks, Vg + j*vs elements): float32, or f16 when half is set
+ * (then hd, vd <= COLI_STAGE_LD). Writes head h0+i's unnormalized chunk output o_c to
+ * oc + i*ldo (vd floats), its max m_c to ml[i*lds] and its sum l_c to ml[i*lds + 1].
+ * softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores. Allocates nothing.
+ *
+ * An f16 cache's blocks are widened (exactly) into the staging buffer and go through the same
+ * float32 arithmetic, so its results are the bits a float32 cache holding the same (rounded)
+ * values gives: what reads the cache is tested against float32 directly. */
+static inline void coli_attend_part(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0,
+                                    int nb, int c0, int c1, int hd, int vd, float scale, float softcap, int half,
+                                    float *oc, long ldo, float *ml, long lds) {
     _Alignas(64) float s[COLI_ATT_HB][COLI_ATT_CH]; /* scores, then probabilities */
-#if COLI_REALIGN
     _Alignas(64) float buf[CV_W * COLI_STAGE_LD];
     long ldk = (hd + 15) / 16 * 16, ldv = (vd + 15) / 16 * 16;
-#endif
     int nk = c1 - c0, nvec = (nk + CV_W - 1) / CV_W;
     for (int b = 0; b < nk; b += CV_W) {
         int n = nk - b < CV_W ? nk - b : CV_W;
-        const float *Kb = Kg + (long)(c0 + b) * ks;
+        const float *Kb;
         long kst = ks;
-#if COLI_REALIGN
-        int sk = nb > 1 ? coli_row_shift(Kb, ks, hd) : 0; /* staging pays off when several heads read */
-        if (sk) {
-            coli_stage_rows(Kb, ks, n, hd, sk, buf, ldk);
+        if (half) {
+            int next = nk - b - CV_W < CV_W ? nk - b - CV_W : CV_W; /* the next block's keys, and this block's values */
+            if (next > 0) coli_f16_prefetch((const uint16_t *)Kg + (long)(c0 + b + CV_W) * ks, ks, next, hd);
+            coli_f16_prefetch((const uint16_t *)Vg + (long)(c0 + b) * vs, vs, n, vd);
+            coli_f16_rows((const uint16_t *)Kg + (long)(c0 + b) * ks, ks, n, hd, buf, ldk);
             Kb = buf, kst = ldk;
-        }
+        } else {
+            Kb = (const float *)Kg + (long)(c0 + b) * ks;
+#if COLI_REALIGN
+            int sk = nb > 1 ? coli_row_shift(Kb, ks, hd) : 0; /* staging pays off when several heads read */
+            if (sk) {
+                coli_stage_rows(Kb, ks, n, hd, sk, buf, ldk);
+                Kb = buf, kst = ldk;
+            }
 #endif
+        }
         for (int i = 0; i < nb; i++) {
             cv_t v = cv_mul(coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), cv_set1(scale));
             if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
@@ -546,7 +658,16 @@ static inline void coli_attend_part(const float *q, const float *Kg, long ks, co
         ml[i * lds] = mx;
         ml[i * lds + 1] = cv_sum(l);
     }
-    const float *V0 = Vg + (long)c0 * vs;
+    if (half) { /* block by block through the buffer (the sums go through oc: the same bits) */
+        const uint16_t *V0 = (const uint16_t *)Vg + (long)c0 * vs;
+        for (int b = 0; b < nk; b += CV_W) {
+            int n = nk - b < CV_W ? nk - b : CV_W;
+            coli_f16_rows(V0 + (long)b * vs, vs, n, vd, buf, ldv);
+            coli_pvh(nb, oc, ldo, buf, ldv, n, s[0] + b, COLI_ATT_CH, b == 0, vd);
+        }
+        return;
+    }
+    const float *V0 = (const float *)Vg + (long)c0 * vs;
 #if COLI_REALIGN
     int sv = nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
     if (sv) { /* block by block through the aligned buffer (the sums go through oc: same bits) */
@@ -580,9 +701,9 @@ static inline void coli_attend_finish(float *o, float l, int vd) {
 
 /* Heads h0 .. h0+nb-1 of one KV group of a row over keys [j0, j1): their chunks in turn, merged
  * into o (head h at o + h*vd) and normalized. tmp: nb*vd floats of scratch. */
-static inline void coli_attend_seq(const float *q, const float *Kg, long ks, const float *Vg, long vs, int h0,
-                                   int nb, int j0, int j1, int hd, int vd, float scale, float softcap, float *o,
-                                   float *tmp) {
+static inline void coli_attend_seq(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0,
+                                   int nb, int j0, int j1, int hd, int vd, float scale, float softcap, int half,
+                                   float *o, float *tmp) {
     float ml[2 * COLI_ATT_HB], mc[2 * COLI_ATT_HB];
     float *oh = o + (long)h0 * vd;
     if (j1 <= j0) {
@@ -590,10 +711,10 @@ static inline void coli_attend_seq(const float *q, const float *Kg, long ks, con
         return;
     }
     int c1 = j1 - j0 < COLI_ATT_CH ? j1 : j0 + COLI_ATT_CH;
-    coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, j0, c1, hd, vd, scale, softcap, oh, vd, ml, 2);
+    coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, j0, c1, hd, vd, scale, softcap, half, oh, vd, ml, 2);
     for (int c0 = c1; c0 < j1; c0 += COLI_ATT_CH) {
         c1 = j1 - c0 < COLI_ATT_CH ? j1 : c0 + COLI_ATT_CH;
-        coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, c0, c1, hd, vd, scale, softcap, tmp, vd, mc, 2);
+        coli_attend_part(q, Kg, ks, Vg, vs, h0, nb, c0, c1, hd, vd, scale, softcap, half, tmp, vd, mc, 2);
         for (int i = 0; i < nb; i++)
             coli_attend_merge(oh + (long)i * vd, &ml[2 * i], &ml[2 * i + 1], tmp + (long)i * vd, mc[2 * i],
                               mc[2 * i + 1], vd);
@@ -613,16 +734,18 @@ static inline void coli_attend_join(float *o, const float *oc, const float *ml, 
 /* Query heads [h0, h1) of one row (head h at q + h*hd, output at o + h*vd) against keys
  * [j0, j1): o_h = softmax(scale * q_h . K) V over the cache rows K + j*ks, V + j*vs of KV head
  * h / group (at K + (h / group) * hd, V + (h / group) * vd), single-threaded (kernels.pyx splits
- * the same work items across threads itself). vd <= 4 * COLI_STAGE_LD. */
-static inline void coli_attend(const float *q, const float *K, long ks, const float *V, long vs, int h0, int h1,
-                               int group, int j0, int j1, int hd, int vd, float scale, float softcap, float *o) {
+ * the same work items across threads itself). vd <= 4 * COLI_STAGE_LD. K and V are float32,
+ * or f16 when half is set (elements, not bytes, in ks, vs and the offsets). */
+static inline void coli_attend(const float *q, const void *K, long ks, const void *V, long vs, int h0, int h1,
+                               int group, int j0, int j1, int hd, int vd, float scale, float softcap, int half,
+                               float *o) {
     float tmp[COLI_ATT_HB * COLI_STAGE_LD];
     int nbmax = COLI_ATT_HB * COLI_STAGE_LD / vd < COLI_ATT_HB ? COLI_ATT_HB * COLI_STAGE_LD / vd : COLI_ATT_HB;
     for (int h = h0; h < h1;) {
         int g = h / group, he = (g + 1) * group < h1 ? (g + 1) * group : h1;
         if (he - h > nbmax) he = h + nbmax;
-        coli_attend_seq(q, K + (long)g * hd, ks, V + (long)g * vd, vs, h, he - h, j0, j1, hd, vd, scale, softcap, o,
-                        tmp);
+        coli_attend_seq(q, COLI_KV_AT(K, (long)g * hd, half), ks, COLI_KV_AT(V, (long)g * vd, half), vs, h, he - h,
+                        j0, j1, hd, vd, scale, softcap, half, o, tmp);
         h = he;
     }
 }

@@ -54,22 +54,6 @@ typedef struct {
     long lde;
 } coli_act;
 
-static inline float coli_f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#elif defined(COLI_NEON)
-    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
-#else
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
-    if (e == 0) {
-        if (m == 0) bits = s;
-        else { e = 127 - 15 + 1; while (!(m & 0x400)) { m <<= 1; e--; } bits = s | (e << 23) | ((m & 0x3ff) << 13); }
-    } else if (e == 31) bits = s | 0x7f800000 | (m << 13);
-    else bits = s | ((e + 127 - 15) << 23) | (m << 13);
-    float f; memcpy(&f, &bits, 4); return f;
-#endif
-}
-
 #if defined(COLI_NEON)
 /* One group of 32 floats loaded into v, and its |x| max ignoring NaN as the plain-C loops
  * do (fmaxnm): the NEON quantizers' common first step (int8 here, int16 in simd_q16.h). */

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from coli.cli.common import (DraftModelOpt, ModelOpt, PinOpt, Quant, RamBudgetOpt, ThreadsOpt, fail, speculation,
+from coli.cli.common import (KvCacheDtypeOpt, DraftModelOpt, ModelOpt, PinOpt, Quant, RamBudgetOpt, ThreadsOpt, fail, speculation,
                              stderr, user_errors)
 from coli.synthetic import SPECS
 
@@ -27,6 +27,7 @@ def bench(
     threads: ThreadsOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = None,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1)] = 128,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", min=1)] = 64,
     repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
@@ -66,7 +67,8 @@ def bench(
         from coli.speculate import resolve_mode
 
         resolve_mode(speculative)
-    opts = {k: v for k, v in dict(process_budget=ram_budget, pin=pin).items() if v is not None}
+    opts = {k: v for k, v in dict(process_budget=ram_budget, pin=pin, kv_cache_dtype=kv_cache_dtype).items()
+            if v is not None}
     if synthetic:
         if synthetic not in SPECS:
             raise fail(f"unknown synthetic model {synthetic!r}; choose one of: {', '.join(SPECS)}")
@@ -99,7 +101,7 @@ def bench(
         typer.echo(json.dumps(d, indent=1))
         return
     used = f" ({res.threads_in_use} in use: the machine is busy)" if res.threads_in_use != res.threads else ""
-    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads{used} · {res.simd}"
+    t = Table(title=f"coli bench · {label} · {res.quant} · {res.threads} threads{used} · {res.simd} · KV {res.kv_cache_dtype}"
                     + (" · random decode input" if decode == "random" else ""))
     t.add_column("metric")
     t.add_column("median", justify="right")

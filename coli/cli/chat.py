@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+from coli.cli.common import (KvCacheDtypeOpt, CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
                              RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, fail, load_model,
                              load_options, messages_for, open_runner, stderr, user_errors)
 from coli.cli.constrain import GrammarOpt, JsonSchemaOpt, local_constraint, read_options, request_fields
@@ -50,6 +50,7 @@ def chat(
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = None,
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
@@ -83,7 +84,7 @@ def chat(
                 {**{k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).items()
                     if v is not None}, **request_fields(spec)})
         return
-    m = load_model(model, threads, **load_options(quant, ram_budget, pin))
+    m = load_model(model, threads, **load_options(quant, ram_budget, pin, kv_cache_dtype))
     sampling = m.sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     with open_runner(m, ctx=ctx, kv_dir=kv_dir, persist=kv_persist, kv_slots=1 if piped or plain else slots,
                      speculative=speculative, draft_model=draft_model) as runner:

@@ -47,6 +47,11 @@ RamBudgetOpt = Annotated[Optional[str], typer.Option(
     "--ram-budget", envvar="COLI_RAM_BUDGET", show_envvar=True,
     help="Memory for the whole process, e.g. 2G: weights, KV cache and buffers; a converted MoE model streams "
          "the experts that do not fit from disk. Default: what is available (a cgroup limit included).")]
+KvCacheDtype = Literal["f16", "f32"]
+KvCacheDtypeOpt = Annotated[Optional[KvCacheDtype], typer.Option(
+    "--kv-cache-dtype", envvar="COLI_KV_CACHE_DTYPE", show_envvar=True,
+    help="What the KV cache stores: f16 (half the memory, and half the bytes attention reads per token) "
+         "or f32 (the values as computed). Default: f16.")]
 PinOpt = Annotated[Optional[str], typer.Option(
     "--pin", envvar="COLI_PIN", show_envvar=True, help="Part of the RAM budget kept for the hot experts learned from .coli_usage. Default: half. "
                   "auto: half, the hot set ranked by the model's expert atlas (coli atlas) as well.")]
@@ -90,11 +95,12 @@ def speculation(speculative: str | None, draft_model: str | None, model) -> tupl
         return mode, None
     import coli
 
-    return mode, coli.load(draft_model, threads=model.engine.threads)
+    return mode, coli.load(draft_model, threads=model.engine.threads, kv_cache_dtype=model.engine.kv_cache_dtype)
 
 
-def load_options(quant=None, ram_budget=None, pin=None) -> dict:
-    return {k: v for k, v in dict(quant=quant, process_budget=ram_budget, pin=pin).items() if v is not None}
+def load_options(quant=None, ram_budget=None, pin=None, kv_cache_dtype=None) -> dict:
+    return {k: v for k, v in dict(quant=quant, process_budget=ram_budget, pin=pin,
+                                  kv_cache_dtype=kv_cache_dtype).items() if v is not None}
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:

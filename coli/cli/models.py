@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from coli.cli.common import CtxOpt, ModelOpt, QuantOpt, RamBudgetOpt, fail, stderr, user_errors
+from coli.cli.common import CtxOpt, KvCacheDtypeOpt, ModelOpt, QuantOpt, RamBudgetOpt, fail, stderr, user_errors
 
 stdout = Console(highlight=False, soft_wrap=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -143,7 +143,7 @@ def ps(as_json: JsonOpt = False) -> None:
 @user_errors
 def plan(model: ModelOpt = None, quant: QuantOpt = None, ram_budget: RamBudgetOpt = None, ctx: CtxOpt = None,
          kv_slots: Annotated[int, typer.Option("--kv-slots", min=1, max=16, help="KV slots to plan for.")] = 1,
-         as_json: JsonOpt = False) -> None:
+         kv_cache_dtype: KvCacheDtypeOpt = None, as_json: JsonOpt = False) -> None:
     """Print the memory plan of loading a model (weights, KV cache, buffers against usable
     memory) without loading it. Exits 2 when it would not fit."""
     from coli.api import resolve_model_path
@@ -153,7 +153,8 @@ def plan(model: ModelOpt = None, quant: QuantOpt = None, ram_budget: RamBudgetOp
         budget = parse_size(ram_budget) if ram_budget else None
     except ValueError as e:
         raise fail(f"--ram-budget: {e}") from None
-    p = make_plan(resolve_model_path(model), quant=quant, ctx=ctx, kv_slots=kv_slots, ram_budget=budget)
+    p = make_plan(resolve_model_path(model), quant=quant, ctx=ctx, kv_slots=kv_slots, ram_budget=budget,
+                  kv_cache_dtype=kv_cache_dtype)
     if as_json:
         typer.echo(json.dumps(p.as_dict(), indent=2))
     else:

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
+from coli.cli.common import (KvCacheDtypeOpt, CtxOpt, DraftModelOpt, KvDirOpt, MaxTokensOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt,
                              RamBudgetOpt, SeedOpt, SpeculativeOpt, SystemOpt, TemperatureOpt, ThreadsOpt, TopKOpt,
                              TopPOpt, fail, load_model, load_options, messages_for, open_runner, stderr,
                              user_errors)
@@ -29,6 +29,7 @@ def run(
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = None,
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
@@ -51,7 +52,7 @@ def run(
         raise fail("the prompt is empty")
     if raw and system:
         raise fail("--system needs the chat template; drop --raw")
-    m = load_model(model, threads, **load_options(quant, ram_budget, pin))
+    m = load_model(model, threads, **load_options(quant, ram_budget, pin, kv_cache_dtype))
     # a constrained answer starts without reasoning (templates that know enable_thinking)
     kwargs = {"enable_thinking": False} if spec is not None and not raw else {}
     ids = m.prompt_ids(prompt if raw else messages_for(prompt.strip(), system), raw=raw, **kwargs)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from coli.cli.common import (CtxOpt, DraftModelOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
+from coli.cli.common import (KvCacheDtypeOpt, CtxOpt, DraftModelOpt, KvDirOpt, ModelOpt, PersistOpt, PinOpt, QuantOpt, RamBudgetOpt,
                              SpeculativeOpt, ThreadsOpt, fail, load_model, load_options, speculation, stderr,
                              user_errors)
 
@@ -63,6 +63,7 @@ def serve(
     quant: QuantOpt = None,
     ram_budget: RamBudgetOpt = None,
     pin: PinOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = None,
     ctx: CtxOpt = None,
     kv_dir: KvDirOpt = None,
     kv_persist: PersistOpt = True,
@@ -110,12 +111,12 @@ def serve(
 
         require_cluster()
         runner = open_cluster_runner(cluster, workers, model=model, threads=threads, worker_cpus=worker_cpus,
-                                     load_options=load_options(quant, ram_budget, pin), routing=routing,
+                                     load_options=load_options(quant, ram_budget, pin, kv_cache_dtype), routing=routing,
                                      runner_options=dict(kv_slots=kv_slots, max_queue=max_queue,
                                                          queue_timeout=queue_timeout, ctx=ctx,
                                                          **cluster_speculation(speculative, draft_model)),
                                      state_dir=state_dir)
-    m = load_model(model, threads, **load_options(quant, ram_budget, pin))
+    m = load_model(model, threads, **load_options(quant, ram_budget, pin, kv_cache_dtype))
     mode, draft = (None, None) if cluster else speculation(speculative, draft_model, m)  # (workers load theirs)
     runner = runner if cluster else Runner(m, kv_slots=kv_slots, max_queue=max_queue, queue_timeout=queue_timeout, ctx=ctx, kv_dir=kv_dir,
                     persist=kv_persist, notice=lambda text: stderr.print(f"[dim]{text}[/]", soft_wrap=True),

@@ -6,8 +6,11 @@
     12           4     header length H, uint32 little-endian
     16           H     header: UTF-8 JSON (see ``Layout`` and ``write_state``)
     16+H         4n    token ids, int32 little-endian
-    ...          L*n*kw*4   keys, float32 little-endian, (layers, tokens, k_width)
-    ...          L*n*vw*4   values, float32 little-endian, (layers, tokens, v_width)
+    ...          L*n*kw*b   keys, little-endian, (layers, tokens, k_width)
+    ...          L*n*vw*b   values, likewise, (layers, tokens, v_width)
+
+The keys and values are the cache's own dtype, the header's ``dtype``: "float16" (b = 2,
+the default cache) or "float32" (b = 4).
     end-8        4     CRC-32 (zlib) of every byte before it, uint32 little-endian
     end-4        4     b"END\\n"
 
@@ -33,7 +36,15 @@ import numpy as np
 MAGIC = b"COLI_KV\n"
 END = b"END\n"
 FORMAT_VERSION = 1
-LAYOUT = "tokens:int32[n] k:float32[layers,n,k_width] v:float32[layers,n,v_width]"
+FILE_DTYPES = {"float16": "<f2", "float32": "<f4"}  # header dtype -> the payload's NumPy dtype
+
+
+def layout_of(dtype: str) -> str:
+    """The header's ``layout`` for a cache of ``dtype`` ("float16" or "float32")."""
+    return f"tokens:int32[n] k:{dtype}[layers,n,k_width] v:{dtype}[layers,n,v_width]"
+
+
+LAYOUT = layout_of("float32")
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _TRAILER = struct.Struct("<I4s")  # crc32, END
 _MAX_HEADER = 1 << 20
@@ -64,7 +75,7 @@ class Layout:
         for key in ("n_layers", "k_width", "v_width", "dtype"):
             if header.get(key) != getattr(self, key):
                 return f"its {key} is {header.get(key)!r}, this model's is {getattr(self, key)!r}"
-        if header.get("layout") != LAYOUT:
+        if header.get("layout") != layout_of(self.dtype):
             return f"unknown layout {header.get('layout')!r}"
         return None
 
@@ -73,8 +84,8 @@ class Layout:
 class KVState:
     header: dict
     tokens: list[int]
-    k: np.ndarray  # (layers, n, k_width) float32
-    v: np.ndarray  # (layers, n, v_width) float32
+    k: np.ndarray  # (layers, n, k_width), the header's dtype
+    v: np.ndarray  # (layers, n, v_width)
 
 
 def slot_file(directory: str | os.PathLike, slot: int) -> Path:
@@ -90,14 +101,17 @@ def write_state(path: str | os.PathLike, layout: Layout, tokens: list[int], k: n
     L = layout.n_layers
     if k.shape != (L, n, layout.k_width) or v.shape != (L, n, layout.v_width):
         raise ValueError(f"write_state: k{k.shape} v{v.shape} do not match {n} tokens of {layout}")
+    if layout.dtype not in FILE_DTYPES:
+        raise ValueError(f"write_state: a cache of {layout.dtype!r} (not {' or '.join(FILE_DTYPES)})")
+    fmt = FILE_DTYPES[layout.dtype]
     header = dict(fingerprint=layout.fingerprint, weight_format=layout.weight_format, n_layers=L,
-                  k_width=layout.k_width, v_width=layout.v_width, dtype=layout.dtype, layout=LAYOUT, tokens=n,
+                  k_width=layout.k_width, v_width=layout.v_width, dtype=layout.dtype, layout=layout_of(layout.dtype), tokens=n,
                   slot=slot, saved_at=time.time(), model_path=model_path)
     head = json.dumps(header, sort_keys=True).encode()
     parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)), head,
              np.asarray(tokens, dtype="<i4").tobytes(),
-             memoryview(np.ascontiguousarray(k, dtype="<f4")).cast("B"),
-             memoryview(np.ascontiguousarray(v, dtype="<f4")).cast("B")]
+             memoryview(np.ascontiguousarray(k, dtype=fmt)).cast("B"),
+             memoryview(np.ascontiguousarray(v, dtype=fmt)).cast("B")]
     # a fresh name, created exclusively and never through a symlink (mkstemp: O_EXCL | O_NOFOLLOW)
     fd, name = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
     tmp = Path(name)
@@ -144,7 +158,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         raise KVFileError("its header lacks the cache's shape") from None
     if min(n, L, kw, vw) < 0:
         raise KVFileError("its header is corrupt")
-    if size != _PREFIX.size + hlen + 4 * n * (1 + L * (kw + vw)) + _TRAILER.size:
+    if header.get("dtype", "float32") not in FILE_DTYPES:
+        raise KVFileError(f"its dtype {header.get('dtype')!r} is not one this colibri reads")
+    b = np.dtype(FILE_DTYPES[header.get("dtype", "float32")]).itemsize
+    if size != _PREFIX.size + hlen + 4 * n + b * n * L * (kw + vw) + _TRAILER.size:
         raise KVFileError(f"its size ({size} bytes) does not match its header: truncated or corrupt")
     return header, size
 
@@ -168,9 +185,10 @@ def read_state(path: str | os.PathLike, layout: Layout | None = None) -> KVState
     at = _PREFIX.size + _PREFIX.unpack_from(data)[2]
     tokens = np.frombuffer(data, dtype="<i4", count=n, offset=at)
     at += 4 * n
-    k = np.frombuffer(data, dtype="<f4", count=L * n * kw, offset=at).reshape(L, n, kw)  # (L, n, kw)
+    fmt = FILE_DTYPES[header.get("dtype", "float32")]
+    k = np.frombuffer(data, dtype=fmt, count=L * n * kw, offset=at).reshape(L, n, kw)  # (L, n, kw)
     at += k.nbytes
-    v = np.frombuffer(data, dtype="<f4", count=L * n * vw, offset=at).reshape(L, n, vw)  # (L, n, vw)
+    v = np.frombuffer(data, dtype=fmt, count=L * n * vw, offset=at).reshape(L, n, vw)  # (L, n, vw)
     return KVState(header, [int(t) for t in tokens], k, v)
 
 

@@ -94,6 +94,7 @@ class Batch:
     pos: np.ndarray  # (M,) int32
     kptr: np.ndarray  # (L, M) int64
     vptr: np.ndarray  # (L, M) int64
+    half: bool = False  # the caches are float16 (else float32)
 
 
 class Linear:
@@ -170,6 +171,7 @@ class Attention:
         self.scale = hd ** -0.5 if scale is None else scale
         self.window, self.softcap = cfg.window_for(layer), softcap
         self.k_width = self.v_width = nkv * hd  # floats per token in the KV cache
+        self.cache_head_dim = hd  # the widest row of one head the attention reads from the cache
         self.front = None if clip_qkv is not None else K.AttentionFront(
             nh, nkv, hd, self.rot_dim, self.inv_freq, self.rope_scaling, qk_norm, self.q_norm, self.k_norm,
             self.eps, unit_offset, self.scale, self.window, self.softcap)
@@ -181,11 +183,11 @@ class Attention:
         q, k, v, a = rs.views(self, len(x), self.bufs)
         self.qkv(x, (q, k, v), rs)
         if self.front is not None:
-            K.attention_front(self.front, q, k, v, batch.pos, batch.kptr, batch.vptr, layer, a)
+            K.attention_front(self.front, q, k, v, batch.pos, batch.kptr, batch.vptr, layer, a, batch.half)
         else:
             self._front_clipped(q, k, v, batch, layer)
             K.attention(q, batch.kptr[layer], batch.vptr[layer], batch.pos, a, self.nh, self.nkv, self.hd,
-                        self.hd, self.scale, self.window, self.softcap)
+                        self.hd, self.scale, self.window, self.softcap, 0, batch.half)
         self.o_proj(a, out, rs)
 
     def _front_clipped(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: Batch, layer: int) -> None:
@@ -202,7 +204,7 @@ class Attention:
             np.clip(t, -self.clip, self.clip, out=t)
         K.rope(q, self.nh, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
         K.rope(k, self.nkv, self.hd, self.rot_dim, batch.pos, self.inv_freq, self.rope_scaling)
-        K.kv_write(k, v, batch.kptr[layer], batch.vptr[layer], batch.pos)
+        K.kv_write(k, v, batch.kptr[layer], batch.vptr[layer], batch.pos, batch.half)
 
 
 class GatedMLP:
@@ -344,6 +346,11 @@ class DecoderLM:
         H = cfg.hidden_size
         # the residual stream x, a block's normed input h and its output o: (M, H) each
         self.bufs = (("x", H, np.float32), ("h", H, np.float32), ("o", H, np.float32))
+
+    def f16_kv_ok(self) -> bool:
+        """Whether an f16 KV cache can serve every layer: the attention widens f16 heads of up
+        to 576 values (MLA's 512 + 64) in a buffer on its stack."""
+        return all(l.attn.cache_head_dim <= 576 for l in self.layers)
 
     def embed_tokens(self, ids: np.ndarray, x: np.ndarray) -> None:
         """x (M, H) = the embedding rows of ``ids`` (times the model's embedding scale)."""

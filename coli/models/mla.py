@@ -64,6 +64,7 @@ class MLAAttention:
             m = 0.1 * mscale_all * math.log(rope.params["factor"]) + 1.0 if rope.params["factor"] > 1 else 1.0
             self.scale *= m * m
         self.k_width, self.v_width = self.lora + self.rope_dim, 0  # the compressed cache row; values live in it
+        self.cache_head_dim = self.k_width
 
     def __call__(self, x: np.ndarray, batch: Batch, layer: int, rs: RunState, out: np.ndarray) -> None:
         M, nh, nope, rd, lora = len(x), self.nh, self.nope, self.rope_dim, self.lora
@@ -85,7 +86,7 @@ class MLAAttention:
         np.copyto(kpe, kv[:, lora:])
         K.rope(kpe, 1, rd, rd, batch.pos, self.inv_freq, self.rope_scaling)
         kv[:, lora:] = kpe
-        K.kv_write(kv, rs.get("mla_v0", M, 0), batch.kptr[layer], batch.kptr[layer], batch.pos)
+        K.kv_write(kv, rs.get("mla_v0", M, 0), batch.kptr[layer], batch.kptr[layer], batch.pos, batch.half)
         qh = q.reshape(M, nh, nope + rd)
         qn = rs.get("mla_qn", M, nh * nope)  # (M, nh*nope)
         np.copyto(qn.reshape(M, nh, nope), qh[:, :, :nope])
@@ -100,7 +101,7 @@ class MLAAttention:
         q2[:, :, lora:] = qp.reshape(M, nh, rd)
         ol = rs.get("mla_ol", M, nh * lora)  # (M, nh*lora): attention output in latent space
         K.attention(qa2, batch.kptr[layer], batch.kptr[layer], batch.pos, ol, nh, 1, lora + rd, lora, self.scale,
-                    0, 0.0, lora + rd)
+                    0, 0.0, lora + rd, batch.half)
         v = rs.get("attn", M, nh * self.vd)  # (M, nh*vd)
         K.head_matmul(ol, self.w_uv, v)
         self.o_proj(v, out, rs)

@@ -72,7 +72,8 @@ class Telemetry:
             engine = s.model.engine
             tiers = engine.resident_bytes()
             body.update({
-                "model": s.model_id, "context": s.runner.ctx, "uptime_seconds": round(time.time() - self.started, 3),
+                "model": s.model_id, "context": s.runner.ctx, "kv_cache_dtype": getattr(engine, "kv_cache_dtype", "f32"),
+                "uptime_seconds": round(time.time() - self.started, 3),
                 "memory": {"dense_bytes": tiers["dense"], "experts_pinned_bytes": tiers["pinned"],
                            "experts_ram_bytes": tiers["cached"], "experts_disk_bytes": tiers["disk"]},
                 "hardware": {"threads": engine.threads, "threads_in_use": engine.threads_in_use,

@@ -90,7 +90,7 @@ class MTPSource:
         self.enorm, self.hnorm, self.eh_proj = layer.enorm, layer.hnorm, layer.eh_proj
         self.block, self.norm, self.head = layer.block, layer.norm, layer.head
         attn = layer.attn
-        self.caches = [KVCache(1, attn.k_width, attn.v_width) for _ in range(slots)]
+        self.caches = [KVCache(1, attn.k_width, attn.v_width, dtype=self.engine.kv_cache_dtype) for _ in range(slots)]
         self.hidden: list[dict[int, np.ndarray]] = [{} for _ in range(slots)]  # slot -> position -> h (H,)
         self.rs = RunState()
         self.seconds_per_token = 0.0  # measured: one MTP forward per drafted token

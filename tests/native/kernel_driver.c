@@ -17,11 +17,12 @@
  *                     of `split` rows
  *   op 2 TOKENS    i: fmt M N K ldw 0 split; x, w as GEMM (f32 / bf16 only)
  *                  -> y f32 (M, N): the token-panel GEMM (prefill)
- *   op 3 ATTEND    i: nh nkv hd vd T; f: scale softcap; q f32 (nh, hd), k f32 (T, nkv, hd),
- *                  v f32 (T, nkv, vd) -> o f32 (nh, vd)
+ *   op 3 ATTEND    i: nh nkv hd vd T half; f: scale softcap; q f32 (nh, hd), k (T, nkv, hd),
+ *                  v (T, nkv, vd), f32 or with half f16 -> o f32 (nh, vd)
  *   op 4 DEQUANT   i: fmt N K ldw ldd; w, d, m as GEMM -> f32 (N, K)
  *   op 5 DOT       i: n; f: a b; x f32 (n), y f32 (n) -> f32 dot(x, y), then
  *                  f32 (n): y * a + x * b
+ *   op 6 F16       i: n; x f32 (n) -> f16 (n): the KV cache's rounding (coli_kv_put)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,10 +115,12 @@ static void gemm(const request *r, int tokens) {
 }
 
 static void attend(const request *r) {
-    int nh = r->i[0], nkv = r->i[1], hd = r->i[2], vd = r->i[3], T = r->i[4];
-    float *q = input((size_t)nh * hd * 4), *k = input((size_t)T * nkv * hd * 4), *v = input((size_t)T * nkv * vd * 4);
+    int nh = r->i[0], nkv = r->i[1], hd = r->i[2], vd = r->i[3], T = r->i[4], half = r->i[5];
+    size_t b = half ? 2 : 4;
+    float *q = input((size_t)nh * hd * 4);
+    void *k = input((size_t)T * nkv * hd * b), *v = input((size_t)T * nkv * vd * b);
     float *o = calloc((size_t)nh * vd, 4);
-    coli_attend(q, k, (long)nkv * hd, v, (long)nkv * vd, 0, nh, nh / nkv, 0, T, hd, vd, r->f[0], r->f[1], o);
+    coli_attend(q, k, (long)nkv * hd, v, (long)nkv * vd, 0, nh, nh / nkv, 0, T, hd, vd, r->f[0], r->f[1], half, o);
     output(o, (size_t)nh * vd * 4);
     free(q), free(k), free(v), free(o);
 }
@@ -168,6 +171,15 @@ int main(void) {
         case 3: attend(&r); break;
         case 4: dequant(&r); break;
         case 5: dot(&r); break;
+        case 6: {
+            int n = r.i[0];
+            float *x = input((size_t)n * 4);
+            uint16_t *h = malloc((size_t)n * 2 + 2);
+            coli_kv_put(h, 0, x, n, 1);
+            output(h, (size_t)n * 2);
+            free(x), free(h);
+            break;
+        }
         default: fprintf(stderr, "kernel_driver: unknown op %d\n", r.op); return 2;
         }
     }
