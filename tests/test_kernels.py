@@ -397,6 +397,31 @@ def test_attention_half_is_float32_of_the_rounded_values(nh, nkv, hd, vd, window
     np.testing.assert_allclose(outs[1], ref, **TOL)
 
 
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (4, 2, 72, 40, 0), (8, 1, 576, 512, 576)])
+@pytest.mark.parametrize("window", [0, 11])
+def test_attention_half_prefill_reads_one_widened_copy(nh, nkv, hd, vd, v_stride, window):
+    """A prefill's rows (16 or more of one sequence) read its f16 cache widened once: the same
+    bits as float32 caches of the rounded values, beside rows of a sequence with few rows that
+    read their f16 cache block by block, and a second long run on another cache."""
+    rand = _own_rand(hd + vd + window)
+    caps = [40, 30, 25]
+    kw = v_stride if v_stride else nkv * hd
+    k16 = [rand(c, kw).astype(np.float16) for c in caps]
+    v16 = k16 if v_stride else [rand(c, nkv * vd).astype(np.float16) for c in caps]
+    k32 = [a.astype(np.float32) for a in k16]
+    v32 = k32 if v_stride else [a.astype(np.float32) for a in v16]
+    seq = np.array([0] * 20 + [1] * 3 + [2] * 17)
+    pos = np.concatenate([np.arange(5, 25), [3, 17, 29], np.arange(8, 25)]).astype(np.int32)
+    q = rand(len(pos), nh * hd)
+    outs = []
+    for ks, vs, half in ((k32, v32, False), (k16, v16, True)):
+        out = np.empty((len(pos), nh * vd), np.float32)
+        K.attention(q, np.array([ks[s].ctypes.data for s in seq]), np.array([vs[s].ctypes.data for s in seq]), pos,
+                    out, nh, nkv, hd, vd, 0.1, window, 0.0, v_stride, half)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("nh,hd,vd", [(4, 72, 64), (8, 576, 512)])
 def test_attention_half_values_inside_key_rows(nh, hd, vd):
     """MLA's layout in an f16 cache: one cache, values the leading vd halves of each key row."""

@@ -22,7 +22,7 @@ cimport numpy as cnp
 import numpy as np
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport cos, exp, sin, sqrt, tanhf, INFINITY
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
@@ -61,7 +61,7 @@ cdef extern from "simd.h" nogil:
                          float *tmp)
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
     void coli_to_f16_row(const float *x, int d, uint16_t *h)
-    void coli_f16_row(const uint16_t *h, int d, float *o)
+    void coli_f16_row(const uint16_t *h, long d, float *o)
     void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
@@ -612,6 +612,7 @@ cdef struct att_call:
     long ks, vs
     float scale, softcap
     int half        # the caches are f16 (else float32)
+    const int32_t *rowhalf  # per row, when some rows read a widened copy (_widen): f16 (1) or float32 (0)
     float *slots    # split calls: chunk outputs (M, nh, maxch, vd), then their max and sum (M, nh, maxch, 2)
     float *ml
 
@@ -640,13 +641,18 @@ cdef inline const void *_kv_at(int64_t base, long i, int half) noexcept nogil:
     return <const void *>(<const char *>base + i * (2 if half else 4))
 
 
+cdef inline int _row_half(const att_call *a, int m) noexcept nogil:
+    return a.rowhalf[m] if a.rowhalf != NULL else a.half
+
+
 cdef void _att_seq(const att_call *a, long idx, float *tmp) noexcept nogil:
     """Item idx = m * units + u: unit u of row m over all its keys, chunk after chunk."""
     cdef int units = a.nkv * a.nsb, nb
     cdef int m = idx // units, h0 = _att_heads(a, idx - <long>m * units, &nb), g = h0 // a.group
-    coli_attend_seq(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, a.half), a.ks,
-                    _kv_at(a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
-                    a.hd, a.vd, a.scale, a.softcap, a.half, a.out + <long>m * a.nh * a.vd, tmp)
+    cdef int half = _row_half(a, m)
+    coli_attend_seq(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, half), a.ks,
+                    _kv_at(a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
+                    a.hd, a.vd, a.scale, a.softcap, half, a.out + <long>m * a.nh * a.vd, tmp)
 
 
 cdef void _att_part(const att_call *a, long idx) noexcept nogil:
@@ -661,9 +667,10 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
     cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
-    coli_attend_part(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, a.half), a.ks,
-                     _kv_at(a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
-                     a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
+    cdef int half = _row_half(a, m)
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, half), a.ks,
+                     _kv_at(a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
+                     a.softcap, half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
@@ -680,6 +687,72 @@ cdef long ATT_SPLIT_MAX = 1 << 20  # floats of chunk outputs a split call may ho
 
 cdef float *_att_scratch(size_t need) except NULL:
     return _grown(&_att_buf, &_att_cap, need)
+
+
+cdef float *_wide_buf = NULL  # _widen's scratch: row pointers and flags, then the widened caches
+cdef size_t _wide_cap = 0
+cdef int WIDEN_ROWS = 16  # rows of one sequence in a call from which its f16 cache is widened once
+
+
+cdef int _widen(att_call *a, int M) except -1:
+    """Prefill over an f16 cache: a sequence with WIDEN_ROWS or more rows in the call (a run
+    of rows with the same caches) has its positions [0, its last row's] widened to float32
+    once, and those rows read the copy; otherwise each row's work items would widen the same
+    blocks again, row after row (a third more attention time at a 512-token prompt). The
+    values are the same exact widening, so the results are the same bits. Other rows keep
+    reading the f16 cache."""
+    cdef int m, e, j, n, runs = 0
+    cdef long need = 0, wk, wv
+    a.rowhalf = NULL
+    if not a.half or M < WIDEN_ROWS:
+        return 0
+    m = 0
+    while m < M:  # the long runs and the floats their copies take
+        e, n = m, 0
+        while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
+            n = max(n, a.pos[e] + 1)
+            e += 1
+        if e - m >= WIDEN_ROWS:
+            runs += 1
+            need += (<long>n * a.ks + 15) // 16 * 16
+            if a.vptr[m] != a.kptr[m]:
+                need += (<long>n * a.vs + 15) // 16 * 16
+        m = e
+    if runs == 0:
+        return 0
+    cdef long head = (4 * <long>M + M + 15) // 16 * 16  # two int64 and one int32 per row, in floats
+    cdef float *buf = _grown(&_wide_buf, &_wide_cap, <size_t>(head + need + 16))
+    cdef int64_t *kp = <int64_t *>buf
+    cdef int64_t *vp = kp + M
+    cdef int32_t *rh = <int32_t *>(vp + M)
+    cdef float *dst = buf + head
+    dst += (16 - (<uintptr_t>dst // sizeof(float)) % 16) % 16  # 64-byte aligned copies
+    m = 0
+    while m < M:
+        e, n = m, 0
+        while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
+            n = max(n, a.pos[e] + 1)
+            e += 1
+        if e - m >= WIDEN_ROWS:
+            wk = <long>n * a.ks
+            with nogil:
+                coli_f16_row(<const uint16_t *>a.kptr[m], wk, dst)
+            for j in range(m, e):
+                kp[j], vp[j], rh[j] = <int64_t>dst, <int64_t>dst, 0
+            dst += (wk + 15) // 16 * 16
+            if a.vptr[m] != a.kptr[m]:
+                wv = <long>n * a.vs
+                with nogil:
+                    coli_f16_row(<const uint16_t *>a.vptr[m], wv, dst)
+                for j in range(m, e):
+                    vp[j] = <int64_t>dst
+                dst += (wv + 15) // 16 * 16
+        else:
+            for j in range(m, e):
+                kp[j], vp[j], rh[j] = a.kptr[j], a.vptr[j], 1
+        m = e
+    a.kptr, a.vptr, a.rowhalf = kp, vp, rh
+    return 0
 
 
 def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim, int v_head_dim, float scale,
@@ -736,6 +809,10 @@ cdef int _attend(att_call *a, int M) except -1:
     a.group = a.nh // a.nkv
     a.nsb = (a.group + COLI_ATT_HB - 1) // COLI_ATT_HB
     a.ks = <long>a.nkv * a.hd
+    for m in range(M):
+        if a.pos[m] < 0:
+            raise ValueError("attention: negative position")
+    _widen(a, M)
     a.maxch = 1
     for m in range(M):
         if a.pos[m] < 0:

@@ -130,8 +130,8 @@ static inline uint16_t coli_f32_to_f16(float f) {
 }
 
 /* o[:d] = h[:d] widened */
-static inline void coli_f16_row(const uint16_t *h, int d, float *o) {
-    int i = 0;
+static inline void coli_f16_row(const uint16_t *h, long d, float *o) {
+    long i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= d; i += 16) _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
     if (i < d) {
