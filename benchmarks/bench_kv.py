@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kv.py -m /work/models/smollm2-int8 --contexts 128,512,2048
     python benchmarks/bench_kv.py -m DIR --contexts 512 --streams 4 --json
+    python benchmarks/bench_kv.py -m HF_DIR --quality eval.jsonl --formats f32,int8,int4
 
 The model is loaded twice (``kv_cache_dtype`` f16 and f32). For each context length C:
 both engines prefill the same C-token prompt (the prefill tok/s is the better of --rounds
@@ -12,6 +13,11 @@ at context C and rolling it back (so every step attends exactly C + 1 positions)
 the median step of every round, as decode tok/s (tokens per step / median step), and the
 ratio. On a shared host the speed drifts from minute to minute; alternating keeps both in
 the same minutes. Also: the KV bytes one decode token reads at C, per dtype.
+
+--quality FILE (a .jsonl of {"text": ...} lines, e.g. quant_quality.py --split-corpus's
+eval.jsonl, or plain text): one forward pass over its first --positions tokens per weight
+format and cache dtype; per row, KL(f32 weights and f32 cache || this), top-1 agreement and
+the text's perplexity (docs/QUANTIZATION.md, "The KV cache").
 """
 from __future__ import annotations
 
@@ -75,6 +81,40 @@ def run(model: str, contexts: list[int], streams: int, threads: int, rounds: int
     return dict(model=model, simd=K.simd_name(), threads=threads, rounds=rounds, steps=steps, rows=rows)
 
 
+def quality(model: str, text: str, formats: list[str], positions: int, threads: int) -> list[dict]:
+    import numpy as np
+
+    if text.endswith(".jsonl"):
+        texts = [json.loads(line)["text"] for line in open(text, encoding="utf-8") if line.strip()]
+    else:
+        texts = [open(text, encoding="utf-8").read()]
+    ref = coli.load(model, threads=threads, kv_cache_dtype="f32")
+    ids: list[int] = []
+    for t in texts:
+        ids += ref.tokenizer.encode(t)
+        if len(ids) >= positions:
+            break
+    ids = ids[:positions]
+
+    def logsoftmax(x):
+        x = x - x.max(1, keepdims=True)
+        return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+    lr = ref.forward(ids).astype(np.float64)
+    pr = logsoftmax(lr)
+    rows = []
+    for fmt in formats:
+        for kv in DTYPES[::-1]:
+            m = coli.load(model, threads=threads, quant=fmt, kv_cache_dtype=kv)
+            lq = m.forward(ids).astype(np.float64)
+            pq = logsoftmax(lq)
+            rows.append(dict(format=fmt, cache=kv, positions=len(ids),
+                             kl=float((np.exp(pr) * (pr - pq)).sum(1).mean()),
+                             top1=float((lr.argmax(1) == lq.argmax(1)).mean()),
+                             perplexity=float(np.exp(-pq[np.arange(len(ids) - 1), ids[1:]].mean()))))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True)
@@ -83,8 +123,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per round and dtype")
+    ap.add_argument("--quality", metavar="FILE", help="measure quality over this text instead of speed")
+    ap.add_argument("--formats", default="f32,int8,int4", help="weight formats for --quality")
+    ap.add_argument("--positions", type=int, default=1172)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.quality:
+        rows = quality(a.model, a.quality, a.formats.split(","), a.positions, a.threads)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{a.model}: {rows[0]['positions']} positions of {a.quality}; KL against f32 weights and an f32 cache")
+        print("| weights | cache | KL(f32 ‖ q) | top-1 agreement | perplexity |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['format']} | {r['cache']} | {r['kl']:.2e} | {100 * r['top1']:.1f}% | {r['perplexity']:.3f} |")
+        return
     res = run(a.model, [int(c) for c in a.contexts.split(",")], a.streams, a.threads, a.rounds, a.steps)
     if a.json:
         print(json.dumps(res, indent=2))
