@@ -716,7 +716,7 @@ cdef int _widen(att_call *a, int M) except -1:
             runs += 1
             need += (<long>n * a.ks + 15) // 16 * 16
             if a.vptr[m] != a.kptr[m]:
-                need += (<long>n * a.vs + 15) // 16 * 16
+                need += (<long>(n - 1) * a.vs + a.nkv * a.vd + 15) // 16 * 16
         m = e
     if runs == 0:
         return 0
@@ -734,16 +734,14 @@ cdef int _widen(att_call *a, int M) except -1:
             n = max(n, a.pos[e] + 1)
             e += 1
         if e - m >= WIDEN_ROWS:
-            wk = <long>n * a.ks
-            with nogil:
-                coli_f16_row(<const uint16_t *>a.kptr[m], wk, dst)
+            wk = <long>n * a.ks  # (the key rows are a.ks wide: contiguous)
+            coli_f16_row(<const uint16_t *>a.kptr[m], wk, dst)
             for j in range(m, e):
                 kp[j], vp[j], rh[j] = <int64_t>dst, <int64_t>dst, 0
             dst += (wk + 15) // 16 * 16
             if a.vptr[m] != a.kptr[m]:
-                wv = <long>n * a.vs
-                with nogil:
-                    coli_f16_row(<const uint16_t *>a.vptr[m], wv, dst)
+                wv = <long>(n - 1) * a.vs + a.nkv * a.vd  # no further than the last row's values
+                coli_f16_row(<const uint16_t *>a.vptr[m], wv, dst)
                 for j in range(m, e):
                     vp[j] = <int64_t>dst
                 dst += (wv + 15) // 16 * 16
@@ -815,8 +813,6 @@ cdef int _attend(att_call *a, int M) except -1:
     _widen(a, M)
     a.maxch = 1
     for m in range(M):
-        if a.pos[m] < 0:
-            raise ValueError("attention: negative position")
         keys += a.pos[m] + 1 - _att_start(a, m)
         a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb

@@ -88,7 +88,9 @@ static inline const char *coli_simd_name(void) { return COLI_SIMD_NAME; }
 /* ---- half precision: weight scales and the f16 KV cache ---------------------------------
  * IEEE binary16 <-> float32. Widening is exact. Narrowing rounds to nearest, ties to even
  * (as vcvtps2ph with _MM_FROUND_TO_NEAREST_INT, NEON's default rounding and NumPy's
- * astype(float16)), with overflow to +-inf and gradual underflow to half subnormals. */
+ * astype(float16)), with overflow to +-inf and gradual underflow to half subnormals; a NaN
+ * becomes a quiet NaN (as the F16C and NEON instructions make it; NumPy keeps a signalling
+ * NaN's payload instead). */
 static inline float coli_f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -134,11 +136,13 @@ static inline void coli_f16_row(const uint16_t *h, long d, float *o) {
     long i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= d; i += 16) _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the masked 16-bit load of the tail */
     if (i < d) {
         __mmask16 k = (__mmask16)((1u << (d - i)) - 1u);
         _mm512_mask_storeu_ps(o + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
         return;
     }
+#endif
 #elif defined(__F16C__)
     for (; i + 8 <= d; i += 8) _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #elif defined(COLI_NEON)

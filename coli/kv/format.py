@@ -8,11 +8,11 @@
     16+H         4n    token ids, int32 little-endian
     ...          L*n*kw*b   keys, little-endian, (layers, tokens, k_width)
     ...          L*n*vw*b   values, likewise, (layers, tokens, v_width)
+    end-8        4     CRC-32 (zlib) of every byte before it, uint32 little-endian
+    end-4        4     b"END\\n"
 
 The keys and values are the cache's own dtype, the header's ``dtype``: "float16" (b = 2,
 the default cache) or "float32" (b = 4).
-    end-8        4     CRC-32 (zlib) of every byte before it, uint32 little-endian
-    end-4        4     b"END\\n"
 
 A file is written whole to a temporary name in the same directory, flushed and
 fsync'ed, then renamed over the old one and the directory fsync'ed: a kill at any
