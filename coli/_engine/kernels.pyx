@@ -62,6 +62,7 @@ cdef extern from "simd.h" nogil:
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
     void coli_to_f16_row(const float *x, int d, uint16_t *h)
     void coli_f16_row(const uint16_t *h, long d, float *o)
+    const void *COLI_KV_AT(const void *p, long i, int half)
     void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
@@ -636,11 +637,6 @@ cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
     return g * a.group + sb * COLI_ATT_HB
 
 
-cdef inline const void *_kv_at(int64_t base, long i, int half) noexcept nogil:
-    """The cache address base advanced by i elements (f16 or float32)."""
-    return <const void *>(<const char *>base + i * (2 if half else 4))
-
-
 cdef inline int _row_half(const att_call *a, int m) noexcept nogil:
     return a.rowhalf[m] if a.rowhalf != NULL else a.half
 
@@ -650,8 +646,8 @@ cdef void _att_seq(const att_call *a, long idx, float *tmp) noexcept nogil:
     cdef int units = a.nkv * a.nsb, nb
     cdef int m = idx // units, h0 = _att_heads(a, idx - <long>m * units, &nb), g = h0 // a.group
     cdef int half = _row_half(a, m)
-    coli_attend_seq(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, half), a.ks,
-                    _kv_at(a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
+    coli_attend_seq(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, half), a.ks,
+                    COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
                     a.hd, a.vd, a.scale, a.softcap, half, a.out + <long>m * a.nh * a.vd, tmp)
 
 
@@ -668,8 +664,8 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
         j1 = j0 + COLI_ATT_CH
     cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
     cdef int half = _row_half(a, m)
-    coli_attend_part(a.q + <long>m * a.nh * a.hd, _kv_at(a.kptr[m], <long>g * a.hd, half), a.ks,
-                     _kv_at(a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, half), a.ks,
+                     COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
                      a.softcap, half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
@@ -691,7 +687,19 @@ cdef float *_att_scratch(size_t need) except NULL:
 
 cdef float *_wide_buf = NULL  # _widen's scratch: row pointers and flags, then the widened caches
 cdef size_t _wide_cap = 0
+F16_HEAD_MAX = COLI_STAGE_LD  # the widest head (values) attention reads from an f16 cache
 cdef int WIDEN_ROWS = 16  # rows of one sequence in a call from which its f16 cache is widened once
+
+
+cdef inline int _run_end(const att_call *a, int m, int M, int *n) noexcept nogil:
+    """The end of the run of rows from m that share m's caches; *n = the positions they attend
+    up to (the run's largest pos + 1)."""
+    cdef int e = m
+    n[0] = 0
+    while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
+        n[0] = max(n[0], a.pos[e] + 1)
+        e += 1
+    return e
 
 
 cdef int _widen(att_call *a, int M) except -1:
@@ -708,10 +716,7 @@ cdef int _widen(att_call *a, int M) except -1:
         return 0
     m = 0
     while m < M:  # the long runs and the floats their copies take
-        e, n = m, 0
-        while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
-            n = max(n, a.pos[e] + 1)
-            e += 1
+        e = _run_end(a, m, M, &n)
         if e - m >= WIDEN_ROWS:
             runs += 1
             need += (<long>n * a.ks + 15) // 16 * 16
@@ -729,10 +734,7 @@ cdef int _widen(att_call *a, int M) except -1:
     dst += (16 - (<uintptr_t>dst // sizeof(float)) % 16) % 16  # 64-byte aligned copies
     m = 0
     while m < M:
-        e, n = m, 0
-        while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
-            n = max(n, a.pos[e] + 1)
-            e += 1
+        e = _run_end(a, m, M, &n)
         if e - m >= WIDEN_ROWS:
             wk = <long>n * a.ks  # (the key rows are a.ks wide: contiguous)
             coli_f16_row(<const uint16_t *>a.kptr[m], wk, dst)

@@ -662,27 +662,17 @@ static inline void coli_attend_part(const float *q, const void *Kg, long ks, con
         ml[i * lds] = mx;
         ml[i * lds + 1] = cv_sum(l);
     }
-    if (half) { /* block by block through the buffer (the sums go through oc: the same bits) */
-        const uint16_t *V0 = (const uint16_t *)Vg + (long)c0 * vs;
+    const float *V0 = half ? NULL : (const float *)Vg + (long)c0 * vs;
+    int sv = V0 != NULL && nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
+    if (half || sv) { /* block by block through the buffer (the sums go through oc: the same bits) */
         for (int b = 0; b < nk; b += CV_W) {
             int n = nk - b < CV_W ? nk - b : CV_W;
-            coli_f16_rows(V0 + (long)b * vs, vs, n, vd, buf, ldv);
+            if (half) coli_f16_rows((const uint16_t *)Vg + (long)(c0 + b) * vs, vs, n, vd, buf, ldv);
+            else coli_stage_rows(V0 + (long)b * vs, vs, n, vd, sv, buf, ldv); /* realigned */
             coli_pvh(nb, oc, ldo, buf, ldv, n, s[0] + b, COLI_ATT_CH, b == 0, vd);
         }
         return;
     }
-    const float *V0 = (const float *)Vg + (long)c0 * vs;
-#if COLI_REALIGN
-    int sv = nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
-    if (sv) { /* block by block through the aligned buffer (the sums go through oc: same bits) */
-        for (int b = 0; b < nk; b += CV_W) {
-            int n = nk - b < CV_W ? nk - b : CV_W;
-            coli_stage_rows(V0 + (long)b * vs, vs, n, vd, sv, buf, ldv);
-            coli_pvh(nb, oc, ldo, buf, ldv, n, s[0] + b, COLI_ATT_CH, b == 0, vd);
-        }
-        return;
-    }
-#endif
     coli_pvh(nb, oc, ldo, V0, vs, nk, s[0], COLI_ATT_CH, 1, vd);
 }
 

@@ -44,7 +44,6 @@ def layout_of(dtype: str) -> str:
     return f"tokens:int32[n] k:{dtype}[layers,n,k_width] v:{dtype}[layers,n,v_width]"
 
 
-LAYOUT = layout_of("float32")
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _TRAILER = struct.Struct("<I4s")  # crc32, END
 _MAX_HEADER = 1 << 20
@@ -158,9 +157,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         raise KVFileError("its header lacks the cache's shape") from None
     if min(n, L, kw, vw) < 0:
         raise KVFileError("its header is corrupt")
-    if header.get("dtype", "float32") not in FILE_DTYPES:
-        raise KVFileError(f"its dtype {header.get('dtype')!r} is not one this colibri reads")
-    b = np.dtype(FILE_DTYPES[header.get("dtype", "float32")]).itemsize
+    dtype = header.get("dtype", "float32")
+    if dtype not in FILE_DTYPES:
+        raise KVFileError(f"its dtype {dtype!r} is not one this colibri reads")
+    b = np.dtype(FILE_DTYPES[dtype]).itemsize
     if size != _PREFIX.size + hlen + 4 * n + b * n * L * (kw + vw) + _TRAILER.size:
         raise KVFileError(f"its size ({size} bytes) does not match its header: truncated or corrupt")
     return header, size
@@ -185,7 +185,7 @@ def read_state(path: str | os.PathLike, layout: Layout | None = None) -> KVState
     at = _PREFIX.size + _PREFIX.unpack_from(data)[2]
     tokens = np.frombuffer(data, dtype="<i4", count=n, offset=at)
     at += 4 * n
-    fmt = FILE_DTYPES[header.get("dtype", "float32")]
+    fmt = FILE_DTYPES[header.get("dtype", "float32")]  # (checked by read_header)
     k = np.frombuffer(data, dtype=fmt, count=L * n * kw, offset=at).reshape(L, n, kw)  # (L, n, kw)
     at += k.nbytes
     v = np.frombuffer(data, dtype=fmt, count=L * n * vw, offset=at).reshape(L, n, vw)  # (L, n, vw)

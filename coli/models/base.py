@@ -349,8 +349,8 @@ class DecoderLM:
 
     def f16_kv_ok(self) -> bool:
         """Whether an f16 KV cache can serve every layer: the attention widens f16 heads of up
-        to 576 values (MLA's 512 + 64) in a buffer on its stack."""
-        return all(l.attn.cache_head_dim <= 576 for l in self.layers)
+        to K.F16_HEAD_MAX values (576: MLA's 512 + 64) in a buffer on its stack."""
+        return all(l.attn.cache_head_dim <= K.F16_HEAD_MAX for l in self.layers)
 
     def embed_tokens(self, ids: np.ndarray, x: np.ndarray) -> None:
         """x (M, H) = the embedding rows of ``ids`` (times the model's embedding scale)."""
