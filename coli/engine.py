@@ -254,8 +254,8 @@ class Engine:
             batch, rows = self._batch(entries, all_logits)
         n = len(batch.ids)
         gov = self.governor
-        if gov is not None and K.get_num_threads() != gov.active:  # another engine in this process set its own
-            K.set_num_threads(gov.active)
+        if gov is not None and K.get_num_threads() != gov.for_step(n):  # (or another engine set its own)
+            K.set_num_threads(gov.for_step(n))
         ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
         logits = self.model.forward(batch, self.run_state, rows)

@@ -79,6 +79,13 @@ class ThreadGovernor:
         """The count the next step runs with: a trial's, or ``n``."""
         return self.trial[0] if self.trial is not None else self.n
 
+    def for_step(self, tokens: int) -> int:
+        """The count a step of ``tokens`` tokens runs with: ``active`` for the steps the
+        governor times; a larger one (a prefill chunk) runs with the count kept, ``n``, since
+        a trial is judged only by the timed steps: one that began just before a long prompt
+        would otherwise run that prompt's whole prefill, chunk after chunk, with its count."""
+        return self.active if tokens <= SMALL else self.n
+
     def _ref(self, tokens: int) -> float | None:
         """The current pace of steps of ``tokens`` tokens (None: none lately)."""
         q = self.recent.get(tokens)

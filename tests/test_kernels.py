@@ -399,10 +399,11 @@ def test_attention_half_is_float32_of_the_rounded_values(nh, nkv, hd, vd, window
 
 @pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (4, 2, 72, 40, 0), (8, 1, 576, 512, 576)])
 @pytest.mark.parametrize("window", [0, 11])
-def test_attention_half_prefill_reads_one_widened_copy(nh, nkv, hd, vd, v_stride, window):
-    """A prefill's rows (16 or more of one sequence) read its f16 cache widened once: the same
-    bits as float32 caches of the rounded values, beside rows of a sequence with few rows that
-    read their f16 cache block by block, and a second long run on another cache."""
+def test_attention_half_prefill_tiles_widen_each_chunk_once(nh, nkv, hd, vd, v_stride, window):
+    """A prefill's rows of one sequence (tiles of up to 16) read each chunk of their f16 cache
+    widened once for the tile: the same bits as float32 caches of the rounded values, beside a
+    sequence of three scattered rows (whose chunks, with a window, do not fit one widened span
+    and are read block by block) and a second run on another cache."""
     rand = _own_rand(hd + vd + window)
     caps = [40, 30, 25]
     kw = v_stride if v_stride else nkv * hd
@@ -661,6 +662,44 @@ def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
         np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row at position {pos[m]}")
     ks = [kc[:, : nkv * hd].reshape(cap, nkv, hd)] * M
     vs = [(kc[:, :vd] if v_stride else vc).reshape(cap, nkv, vd)] * M
+    np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (10, 2, 40, 40, 0), (3, 1, 20, 36, 0),
+                                                   (8, 1, 72, 48, 72)])
+@pytest.mark.parametrize("window", [0, 45])
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_attention_prefill_tiles_are_rows_alone(nh, nkv, hd, vd, v_stride, window, half, threads):
+    """A prompt's rows in one call are cut into tiles of consecutive rows of one sequence, which
+    walk their keys chunk by chunk together: every row keeps the bits it has alone. Two prompts
+    (one long enough for its f16 cache to be widened once, one not) and a decode row of a third
+    sequence share the call; a tile boundary falls where the caches change."""
+    rnd = _own_rand(nh * hd + window + threads)
+    cap = 180
+    kw = v_stride if v_stride else nkv * hd
+    dt = np.float16 if half else np.float32
+    seqs = []
+    for rows in ((0, 150), (17, 29), (90, 91)):  # positions each sequence's rows take
+        kc = rnd(cap, kw).astype(dt)
+        vc = kc if v_stride else rnd(cap, nkv * vd).astype(dt)
+        seqs.append((kc, vc, range(*rows)))
+    pos = np.array([p for _, _, r in seqs for p in r], np.int32)
+    kptr = np.array([kc.ctypes.data for kc, _, r in seqs for _ in r], np.int64)
+    vptr = np.array([vc.ctypes.data for _, vc, r in seqs for _ in r], np.int64)
+    M = len(pos)
+    q = rnd(M, nh * hd)
+    batch = np.empty((M, nh * vd), np.float32)
+    K.attention(q, kptr, vptr, pos, batch, nh, nkv, hd, vd, 0.15, window, 0.0, v_stride, half)
+    for m in range(M):
+        alone = np.empty((1, nh * vd), np.float32)
+        K.attention(q[m : m + 1], kptr[m : m + 1], vptr[m : m + 1], pos[m : m + 1], alone, nh, nkv, hd, vd, 0.15,
+                    window, 0.0, v_stride, half)
+        np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row {m} at position {pos[m]} ({threads} threads)")
+    ks, vs = [], []
+    for kc, vc, r in seqs:
+        k32 = kc.astype(np.float32)
+        ks += [k32[:, : nkv * hd].reshape(cap, nkv, hd)] * len(r)
+        vs += [(k32[:, :vd] if v_stride else vc.astype(np.float32)).reshape(cap, nkv, vd)] * len(r)
     np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 

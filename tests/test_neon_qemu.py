@@ -174,6 +174,7 @@ def ties(M, K, top):
     return x
 TOKEN_SHAPES = [(37, 19, 70, 0), (8, 8, 300, 0), (70, 10, 40, 4), (1, 3, 5, 0)]
 ATTEND_SHAPES = [(4, 2, 64, 64, 37, 0.0), (3, 1, 18, 10, 5, 5.0), (2, 2, 128, 128, 130, 0.0), (1, 1, 7, 3, 1, 0.0)]
+ATTEND_TILES = [(9, 3, 64, 64, 150, 16), (10, 2, 40, 24, 70, 5), (2, 1, 18, 18, 9, 9)]  # (nh, nkv, hd, vd, T, rows)
 
 
 def cases():
@@ -240,6 +241,20 @@ def cases():
                                   nh, nkv, hd, vd, scale, 0, softcap)
                 np.testing.assert_allclose(rd.take(np.float32, nh * vd), ref[0], **TOL,
                                            err_msg=f"attend nh={nh} nkv={nkv} hd={hd} vd={vd} T={T} half={half}")
+            out.append((req, check))
+        for nh, nkv, hd, vd, T, R_ in ATTEND_TILES:  # a prefill tile: the last R_ rows together, then alone
+            q, k, v = rand(R_, nh * hd), rand(T, nkv, hd), rand(T, nkv, vd)
+            if half:
+                k, v = k.astype(np.float16), v.astype(np.float16)
+            req = header(3, (nh, nkv, hd, vd, T, half, R_), (0.3, 0.0)) + q.tobytes() + k.tobytes() + v.tobytes()
+
+            def check(rd, target, q=q, k=k, v=v, nh=nh, nkv=nkv, hd=hd, vd=vd, T=T, R_=R_, half=half):
+                tile, alone = rd.take(np.float32, R_, nh * vd), rd.take(np.float32, R_, nh * vd)
+                what = f"attend tile nh={nh} nkv={nkv} hd={hd} vd={vd} T={T} rows={R_} half={half}"
+                np.testing.assert_array_equal(tile, alone, err_msg=what)
+                ref = R.attention(q, [k.astype(np.float32)] * R_, [v.astype(np.float32)] * R_,
+                                  np.arange(T - R_, T), nh, nkv, hd, vd, 0.3)
+                np.testing.assert_allclose(tile, ref, **TOL, err_msg=what)
             out.append((req, check))
 
     x = rand(301) * np.float32(3.0)

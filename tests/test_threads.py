@@ -121,6 +121,19 @@ def test_prefill_chunks_are_not_timed():
     assert gov.trials == 0 and not gov.recent
 
 
+def test_a_trial_is_for_the_timed_steps_and_a_prefill_keeps_the_count_kept():
+    """A trial of fewer threads that begins just before a long prompt would run the whole
+    prefill (steps the governor does not time, so the trial goes on) with its count."""
+    m, gov = governed(QUIET, BUSY)
+    m.run(gov, FIRST_TRIAL)  # the early trial of one thread starts after these
+    assert gov.trial is not None and gov.active == 1
+    assert gov.for_step(1) == gov.for_step(16) == 1
+    assert gov.for_step(17) == gov.for_step(256) == 2
+    gov.n = 1  # a count kept (a busy machine): every step runs with it
+    gov.trial = None
+    assert gov.for_step(1) == gov.for_step(256) == 1
+
+
 def test_batches_of_changing_size_are_no_stall():
     """One stream, then four, then one again, on a quiet machine: four tokens a step cost less
     per token than one, and the sizes are compared only with themselves."""
@@ -171,6 +184,14 @@ def test_engine_logits_do_not_depend_on_the_threads_the_governor_picks(tiny, mon
         runs.append(out)
     for a, b in zip(runs[0], runs[1]):
         np.testing.assert_array_equal(a, b)
+    eng.governor.n = 2
+    eng.governor.trial = (1, {})  # a trial of one thread under way: decode steps run with it ...
+    cache = eng.new_cache(64)
+    eng.step([(cache, list(range(2, 40)))])
+    assert K.get_num_threads() == 2  # ... a prompt's prefill with the count kept
+    eng.step([(cache, [3])])
+    assert K.get_num_threads() == 1
+    eng.governor.trial = None
     m.close()
     monkeypatch.setenv("COLI_ADAPTIVE_THREADS", "0")
     m = coli.load(tiny, threads=2)

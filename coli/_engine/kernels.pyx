@@ -59,6 +59,10 @@ cdef extern from "simd.h" nogil:
     void coli_attend_seq(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0, int nb,
                          int j0, int j1, int hd, int vd, float scale, float softcap, int half, float *o,
                          float *tmp)
+    void coli_attend_rows(const float *q, long ldq, const void *Kg, long ks, const void *Vg, long vs, int h0, int nb,
+                          const int *j0, const int *j1, int nr, int hd, int vd, float scale, float softcap, int half,
+                          float *o, long ldo, float *tmp, float *wide)
+    long COLI_ATT_WIDE(int hd, int vd)
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
     void coli_to_f16_row(const float *x, int d, uint16_t *h)
     void coli_f16_row(const uint16_t *h, long d, float *o)
@@ -73,6 +77,7 @@ cdef extern from "simd.h" nogil:
         COLI_NP
         COLI_ATT_CH
         COLI_ATT_HB
+        COLI_ATT_ROWS
         COLI_STAGE_LD
 
 cdef extern from "simd_q.h" nogil:
@@ -613,7 +618,7 @@ cdef struct att_call:
     long ks, vs
     float scale, softcap
     int half        # the caches are f16 (else float32)
-    const int32_t *rowhalf  # per row, when some rows read a widened copy (_widen): f16 (1) or float32 (0)
+    const int32_t *tiles    # tile t holds rows [tiles[t], tiles[t + 1]) (one sequence's, see _tile)
     float *slots    # split calls: chunk outputs (M, nh, maxch, vd), then their max and sum (M, nh, maxch, 2)
     float *ml
 
@@ -637,18 +642,21 @@ cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
     return g * a.group + sb * COLI_ATT_HB
 
 
-cdef inline int _row_half(const att_call *a, int m) noexcept nogil:
-    return a.rowhalf[m] if a.rowhalf != NULL else a.half
-
-
-cdef void _att_seq(const att_call *a, long idx, float *tmp) noexcept nogil:
-    """Item idx = m * units + u: unit u of row m over all its keys, chunk after chunk."""
-    cdef int units = a.nkv * a.nsb, nb
-    cdef int m = idx // units, h0 = _att_heads(a, idx - <long>m * units, &nb), g = h0 // a.group
-    cdef int half = _row_half(a, m)
-    coli_attend_seq(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, half), a.ks,
-                    COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, _att_start(a, m), a.pos[m] + 1,
-                    a.hd, a.vd, a.scale, a.softcap, half, a.out + <long>m * a.nh * a.vd, tmp)
+cdef void _att_tile(const att_call *a, long idx, float *tmp, float *wide) noexcept nogil:
+    """Item idx = t * units + u: unit u of tile t's rows over all their keys (coli_attend_rows:
+    each row's bits are those it has alone); tmp, wide: the thread's scratch."""
+    cdef int units = a.nkv * a.nsb, nb, r
+    cdef int t = idx // units, h0 = _att_heads(a, idx - <long>t * units, &nb), g = h0 // a.group
+    cdef int m = a.tiles[t], nr = a.tiles[t + 1] - m
+    cdef int j0[COLI_ATT_ROWS]
+    cdef int j1[COLI_ATT_ROWS]
+    for r in range(nr):
+        j0[r], j1[r] = _att_start(a, m + r), a.pos[m + r] + 1
+    coli_attend_rows(a.q + <long>m * a.nh * a.hd, <long>a.nh * a.hd,
+                     COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, a.half), a.ks,
+                     COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, j0, j1, nr,
+                     a.hd, a.vd, a.scale, a.softcap, a.half, a.out + <long>m * a.nh * a.vd, <long>a.nh * a.vd, tmp,
+                     wide)
 
 
 cdef void _att_part(const att_call *a, long idx) noexcept nogil:
@@ -663,10 +671,9 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
     cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
-    cdef int half = _row_half(a, m)
-    coli_attend_part(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, half), a.ks,
-                     COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, half), a.vs, h0, nb, j0, j1, a.hd, a.vd, a.scale,
-                     a.softcap, half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, a.half), a.ks,
+                     COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, j0, j1, a.hd, a.vd,
+                     a.scale, a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
@@ -685,10 +692,7 @@ cdef float *_att_scratch(size_t need) except NULL:
     return _grown(&_att_buf, &_att_cap, need)
 
 
-cdef float *_wide_buf = NULL  # _widen's scratch: row pointers and flags, then the widened caches
-cdef size_t _wide_cap = 0
 F16_HEAD_MAX = COLI_STAGE_LD  # the widest head (values) attention reads from an f16 cache
-cdef int WIDEN_ROWS = 16  # rows of one sequence in a call from which its f16 cache is widened once
 
 
 cdef inline int _run_end(const att_call *a, int m, int M, int *n) noexcept nogil:
@@ -700,59 +704,6 @@ cdef inline int _run_end(const att_call *a, int m, int M, int *n) noexcept nogil
         n[0] = max(n[0], a.pos[e] + 1)
         e += 1
     return e
-
-
-cdef int _widen(att_call *a, int M) except -1:
-    """Prefill over an f16 cache: a sequence with WIDEN_ROWS or more rows in the call (a run
-    of rows with the same caches) has its positions [0, its last row's] widened to float32
-    once, and those rows read the copy; otherwise each row's work items would widen the same
-    blocks again, row after row (a third more attention time at a 512-token prompt). The
-    values are the same exact widening, so the results are the same bits. Other rows keep
-    reading the f16 cache."""
-    cdef int m, e, j, n, runs = 0
-    cdef long need = 0, wk, wv
-    a.rowhalf = NULL
-    if not a.half or M < WIDEN_ROWS:
-        return 0
-    m = 0
-    while m < M:  # the long runs and the floats their copies take
-        e = _run_end(a, m, M, &n)
-        if e - m >= WIDEN_ROWS:
-            runs += 1
-            need += (<long>n * a.ks + 15) // 16 * 16
-            if a.vptr[m] != a.kptr[m]:
-                need += (<long>(n - 1) * a.vs + a.nkv * a.vd + 15) // 16 * 16
-        m = e
-    if runs == 0:
-        return 0
-    cdef long head = (4 * <long>M + M + 15) // 16 * 16  # two int64 and one int32 per row, in floats
-    cdef float *buf = _grown(&_wide_buf, &_wide_cap, <size_t>(head + need + 16))
-    cdef int64_t *kp = <int64_t *>buf
-    cdef int64_t *vp = kp + M
-    cdef int32_t *rh = <int32_t *>(vp + M)
-    cdef float *dst = buf + head
-    dst += (16 - (<uintptr_t>dst // sizeof(float)) % 16) % 16  # 64-byte aligned copies
-    m = 0
-    while m < M:
-        e = _run_end(a, m, M, &n)
-        if e - m >= WIDEN_ROWS:
-            wk = <long>n * a.ks  # (the key rows are a.ks wide: contiguous)
-            coli_f16_row(<const uint16_t *>a.kptr[m], wk, dst)
-            for j in range(m, e):
-                kp[j], vp[j], rh[j] = <int64_t>dst, <int64_t>dst, 0
-            dst += (wk + 15) // 16 * 16
-            if a.vptr[m] != a.kptr[m]:
-                wv = <long>(n - 1) * a.vs + a.nkv * a.vd  # no further than the last row's values
-                coli_f16_row(<const uint16_t *>a.vptr[m], wv, dst)
-                for j in range(m, e):
-                    vp[j] = <int64_t>dst
-                dst += (wv + 15) // 16 * 16
-        else:
-            for j in range(m, e):
-                kp[j], vp[j], rh[j] = a.kptr[j], a.vptr[j], 1
-        m = e
-    a.kptr, a.vptr, a.rowhalf = kp, vp, rh
-    return 0
 
 
 def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim, int v_head_dim, float scale,
@@ -771,11 +722,14 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     A row's keys are taken in fixed chunks of COLI_ATT_CH (64) counted from its first key, its
     heads in runs of up to COLI_ATT_HB (4) of one KV group (which share every K / V row they
     read); a chunk's softmax is local (its own max and sum) and the chunks merge in order
-    (flash-decoding's split-K). Work items are (row, run of heads), each walking its chunks in
-    turn, or, when there are too few of them to keep the threads busy (one-token decode),
-    (row, run, chunk), merged after a barrier in the same order: the same arithmetic, so results
-    do not depend on the thread count or on which rows share the call. Nothing is allocated
-    in the steady state (a scratch buffer grows to the largest call)."""
+    (flash-decoding's split-K). Work items are (tile, run of heads): a tile is up to
+    COLI_ATT_ROWS (16) consecutive rows of one sequence (a prompt's, in prefill), which walk
+    their chunks together, so each chunk of keys and values is read from memory once for the
+    tile (and, from an f16 cache, widened once for it); or, when there are too few items to
+    keep the threads busy (one-token decode), (row, run, chunk), merged after a barrier in the
+    same order. Every row's arithmetic is the same either way, so results do not depend on the
+    thread count or on which rows share the call. Nothing is allocated in the steady state (a
+    scratch buffer grows to the largest call: a few KB a thread and a table of tiles)."""
     cdef att_call a
     a.q = <const float *>_arr(q, cnp.NPY_FLOAT32, 2, False, "attention: q")
     a.kptr = <const int64_t *>_arr(kptr, cnp.NPY_INT64, 1, False, "attention: kptr")
@@ -812,7 +766,6 @@ cdef int _attend(att_call *a, int M) except -1:
     for m in range(M):
         if a.pos[m] < 0:
             raise ValueError("attention: negative position")
-    _widen(a, M)
     a.maxch = 1
     for m in range(M):
         keys += a.pos[m] + 1 - _att_start(a, m)
@@ -829,16 +782,36 @@ cdef int _attend(att_call *a, int M) except -1:
             for idx in prange(<long>M * a.nh, schedule='static'):
                 _att_join(a, idx)
         return 0
-    a.slots = _att_scratch(<size_t>nt * COLI_ATT_HB * a.vd)
-    nitems = <long>M * units
+    # per thread: the merge rows, then (f16) a tile's widened chunk; then the tile table
+    cdef long tw = (COLI_ATT_HB * a.vd + 15) // 16 * 16, ww = COLI_ATT_WIDE(a.hd, a.vd) if a.half else 0
+    cdef float *base = _att_scratch(<size_t>(nt * (tw + ww) + M + 1 + 16))
+    base += (16 - (<uintptr_t>base // sizeof(float)) % 16) % 16  # 64-byte aligned
+    cdef int32_t *tiles = <int32_t *>(base + nt * (tw + ww))
+    a.tiles = tiles
+    nitems = <long>_tile(a, M, max(1, min(COLI_ATT_ROWS, <long>M * units // (4 * nt))), tiles) * units
     with nogil:
         if nt == 1:
             for idx in range(nitems):
-                _att_seq(a, idx, a.slots)
-        else:
-            for idx in prange(nitems, num_threads=nt, schedule='static'):
-                _att_seq(a, idx, a.slots + threadid() * COLI_ATT_HB * a.vd)
+                _att_tile(a, idx, base, base + tw if ww else NULL)
+        else:  # items one by one in turn: a prompt's later rows have more keys than its first
+            for idx in prange(nitems, num_threads=nt, schedule='static', chunksize=1):
+                _att_tile(a, idx, base + threadid() * (tw + ww), base + threadid() * (tw + ww) + tw if ww else NULL)
     return 0
+
+
+cdef int _tile(const att_call *a, int M, int rows, int32_t *tiles) noexcept nogil:
+    """Cut the M rows into tiles of up to ``rows`` consecutive rows that read the same caches
+    (one sequence's: a prompt in prefill, a speculative step's draft rows); tile t is rows
+    [tiles[t], tiles[t + 1]). Returns the number of tiles."""
+    cdef int m = 0, e, n, t = 0
+    while m < M:
+        e = _run_end(a, m, M, &n)
+        while m < e:
+            tiles[t] = m
+            t += 1
+            m = min(m + rows, e)
+    tiles[t] = M
+    return t
 
 
 # ---------------------------------------------------------------- mixture of experts

@@ -716,6 +716,83 @@ static inline void coli_attend_seq(const float *q, const void *Kg, long ks, cons
     for (int i = 0; i < nb; i++) coli_attend_finish(oh + (long)i * vd, ml[2 * i + 1], vd);
 }
 
+/* ---- prefill attention: a tile of rows of one sequence ----------------------------------
+ * In a prompt's prefill every row reads all the keys before it. Walked row after row, each
+ * row streams its sequence's whole K / V from L3 (SmolLM2's 2048 positions: 3 MB a layer,
+ * larger than L2), and the L3's bandwidth, shared by the cores, is the limit: two threads ran
+ * no faster than one. A tile walks its nr rows chunk by chunk instead: chunk c of every row,
+ * then chunk c + 1, so a chunk's keys and values (COLI_ATT_CH rows of one KV head: 32 KB at
+ * head_dim 64) come from L3 once and from L1 / L2 for the tile's other rows. Each row's
+ * arithmetic is coli_attend_seq's, in the same order (its own chunks counted from its own
+ * first key, merged in chunk order): the same bits, whichever rows share a tile.
+ *
+ * From an f16 cache, the positions the tile's rows read in chunk c (one range of at most
+ * COLI_ATT_CH + COLI_ATT_ROWS positions for a prompt's consecutive rows, windows included) are
+ * widened once into the caller's scratch, 64-byte aligned, and every row reads them as a
+ * float32 cache: the same exact widening, so the same bits again, without each row widening
+ * every block for itself. */
+#define COLI_ATT_ROWS 16 /* rows a tile holds at most */
+#define COLI_ATT_SPAN (COLI_ATT_CH + COLI_ATT_ROWS) /* positions a tile's widened chunk holds */
+/* floats of the scratch coli_attend_rows widens an f16 chunk into (keys, then values) */
+#define COLI_ATT_WIDE(hd, vd) ((long)COLI_ATT_SPAN * (((hd) + 15) / 16 * 16 + ((vd) + 15) / 16 * 16))
+
+/* Heads h0 .. h0+nb-1 (one KV group) of nr <= COLI_ATT_ROWS rows reading the same KV head: row
+ * r's queries at q + r*ldq, its keys [j0[r], j1[r]), its output at o + r*ldo (head h at
+ * + h*vd). tmp: nb*vd floats of scratch; wide: COLI_ATT_WIDE(hd, vd) floats, 64-byte aligned,
+ * for an f16 cache's chunks (NULL: each row widens its own blocks). */
+static inline void coli_attend_rows(const float *q, long ldq, const void *Kg, long ks, const void *Vg, long vs,
+                                    int h0, int nb, const int *j0, const int *j1, int nr, int hd, int vd, float scale,
+                                    float softcap, int half, float *o, long ldo, float *tmp, float *wide) {
+    float ml[COLI_ATT_ROWS][2 * COLI_ATT_HB], mc[2 * COLI_ATT_HB];
+    int nc = 0, inkeys = Vg == Kg && vs == ks && vd <= hd; /* MLA: the values lead the key rows */
+    long ldk = (hd + 15) / 16 * 16, ldv = inkeys ? ldk : (vd + 15) / 16 * 16;
+    float *wv = wide == NULL || inkeys ? wide : wide + COLI_ATT_SPAN * ldk;
+    for (int r = 0; r < nr; r++) {
+        int c = (j1[r] - j0[r] + COLI_ATT_CH - 1) / COLI_ATT_CH;
+        nc = c > nc ? c : nc;
+        if (j1[r] <= j0[r]) memset(o + r * ldo + (long)h0 * vd, 0, (size_t)nb * vd * sizeof(float));
+    }
+    for (int c = 0; c < nc; c++) {
+        const void *Kc = Kg, *Vc = Vg;
+        long ksc = ks, vsc = vs;
+        int hc = half, lo = 0, hi = 0, live = 0;
+        if (half && wide != NULL && nr > 1) {
+            for (int r = 0; r < nr; r++) { /* the range the live rows read */
+                int c0 = j0[r] + c * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
+                if (c0 >= j1[r]) continue;
+                lo = live++ == 0 || c0 < lo ? c0 : lo;
+                hi = c1 > hi ? c1 : hi;
+            }
+            if (live > 1 && hi - lo <= COLI_ATT_SPAN) {
+                coli_f16_rows((const uint16_t *)Kg + (long)lo * ks, ks, hi - lo, hd, wide, ldk);
+                if (!inkeys) coli_f16_rows((const uint16_t *)Vg + (long)lo * vs, vs, hi - lo, vd, wv, ldv);
+                Kc = wide, Vc = wv, ksc = ldk, vsc = ldv, hc = 0;
+            } else
+                lo = 0;
+        }
+        for (int r = 0; r < nr; r++) {
+            int c0 = j0[r] + c * COLI_ATT_CH, c1;
+            if (c0 >= j1[r]) continue;
+            c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
+            float *oh = o + r * ldo + (long)h0 * vd;
+            const float *qr = q + r * ldq;
+            if (c == 0) {
+                coli_attend_part(qr, Kc, ksc, Vc, vsc, h0, nb, c0 - lo, c1 - lo, hd, vd, scale, softcap, hc, oh, vd,
+                                 ml[r], 2);
+                continue;
+            }
+            coli_attend_part(qr, Kc, ksc, Vc, vsc, h0, nb, c0 - lo, c1 - lo, hd, vd, scale, softcap, hc, tmp, vd, mc, 2);
+            for (int i = 0; i < nb; i++)
+                coli_attend_merge(oh + (long)i * vd, &ml[r][2 * i], &ml[r][2 * i + 1], tmp + (long)i * vd,
+                                  mc[2 * i], mc[2 * i + 1], vd);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        if (j1[r] > j0[r])
+            for (int i = 0; i < nb; i++)
+                coli_attend_finish(o + r * ldo + (long)(h0 + i) * vd, ml[r][2 * i + 1], vd);
+}
+
 /* One head's nc chunks computed apart (chunk c's output at oc + c*vd, its max and sum at
  * ml[2c], ml[2c + 1]) merged in order into o[:vd] and normalized: coli_attend_seq's bits. */
 static inline void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd) {

@@ -114,14 +114,35 @@ static void gemm(const request *r, int tokens) {
     free_mat(&W);
 }
 
+/* The last query row against T keys (coli_attend); with i[6] = R > 0, the last R rows (positions
+ * T - R .. T - 1) as one prefill tile (coli_attend_rows, its f16 chunks widened once), then each of
+ * them alone: both outputs, which must be the same bits. */
 static void attend(const request *r) {
-    int nh = r->i[0], nkv = r->i[1], hd = r->i[2], vd = r->i[3], T = r->i[4], half = r->i[5];
+    int nh = r->i[0], nkv = r->i[1], hd = r->i[2], vd = r->i[3], T = r->i[4], half = r->i[5], R = r->i[6];
+    int rows = R > 0 ? R : 1, group = nh / nkv;
     size_t b = half ? 2 : 4;
-    float *q = input((size_t)nh * hd * 4);
+    float *q = input((size_t)rows * nh * hd * 4);
     void *k = input((size_t)T * nkv * hd * b), *v = input((size_t)T * nkv * vd * b);
-    float *o = calloc((size_t)nh * vd, 4);
-    coli_attend(q, k, (long)nkv * hd, v, (long)nkv * vd, 0, nh, nh / nkv, 0, T, hd, vd, r->f[0], r->f[1], half, o);
-    output(o, (size_t)nh * vd * 4);
+    float *o = calloc((size_t)rows * nh * vd, 4);
+    if (R > 0) {
+        int j0[COLI_ATT_ROWS] = {0}, j1[COLI_ATT_ROWS];
+        float *tmp = malloc((size_t)COLI_ATT_HB * vd * 4);
+        float *wide = aligned_alloc(64, ((size_t)COLI_ATT_WIDE(hd, vd) * 4 + 63) / 64 * 64);
+        for (int i = 0; i < R; i++) j1[i] = T - R + i + 1;
+        for (int h = 0; h < nh;) { /* runs of up to COLI_ATT_HB heads of one KV group, as kernels.pyx */
+            int g = h / group, nb = (g + 1) * group - h < COLI_ATT_HB ? (g + 1) * group - h : COLI_ATT_HB;
+            coli_attend_rows(q, (long)nh * hd, COLI_KV_AT(k, (long)g * hd, half), (long)nkv * hd,
+                             COLI_KV_AT(v, (long)g * vd, half), (long)nkv * vd, h, nb, j0, j1, R, hd, vd, r->f[0],
+                             r->f[1], half, o, (long)nh * vd, tmp, wide);
+            h += nb;
+        }
+        output(o, (size_t)R * nh * vd * 4);
+        free(tmp), free(wide);
+    }
+    for (int i = 0; i < rows; i++)
+        coli_attend(q + (long)i * nh * hd, k, (long)nkv * hd, v, (long)nkv * vd, 0, nh, group, 0, T - rows + i + 1, hd,
+                    vd, r->f[0], r->f[1], half, o + (long)i * nh * vd);
+    output(o, (size_t)rows * nh * vd * 4);
     free(q), free(k), free(v), free(o);
 }
 
