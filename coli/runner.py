@@ -352,6 +352,7 @@ class Runner:
                 if plan and self.speculator is not None:
                     self.speculator.extend(plan)  # draft tokens onto decoding entries
                 if not plan:
+                    self._save(sched.take_released())  # (at shutdown: the slots close() just freed)
                     if sched.closed:
                         return
                     sched.wait_for_work(timeout=1.0)
@@ -362,7 +363,7 @@ class Runner:
                     except Exception as e:  # the engine failed: the requests of this step fail, others go on
                         log.exception("engine step failed")
                         ended = sched.fail_step(plan, f"{type(e).__name__}: {e}")
-                self._save(ended)
+                self._save(ended + sched.take_released())
         except BaseException as e:  # a bug in the loop itself: no request may wait forever
             log.exception("the runner stopped")
             sched.abort(f"the runner stopped: {type(e).__name__}: {e}")

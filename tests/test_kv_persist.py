@@ -12,6 +12,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -287,6 +289,44 @@ def test_restart_reuses_the_saved_prefix(model, tmp_path):
     assert warm.started.slot == 1 and warm.usage.cached_tokens == len(turn1) + 5
     assert cold.usage.cached_tokens == 0 and warm.text == cold.text
     assert not any("ignoring" in n for n in notes)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "client left"])
+def test_a_request_stopped_between_two_steps_still_saves_its_slot(model, tmp_path, how):
+    """A request cancelled while no step computes it (a shutdown's close(), or its client
+    leaving) gives its slot back at once, outside any step: its KV is saved all the same (it
+    once was not: a signal between two steps left no .coli_kv). The engine thread is held
+    between two steps, before it plans the next, while the request is stopped."""
+    prompt = model.tokenizer.encode("w1 w2 w3 w4 w5 w6")
+    r = Runner(model, kv_slots=1, kv_dir=tmp_path)
+    sched, handles = r.scheduler, []
+    between, go = threading.Event(), threading.Event()
+    plan = sched.schedule
+
+    def held_schedule():
+        if handles and handles[0].request.generated >= 3 and not between.is_set():
+            between.set()
+            go.wait(WAIT)
+        return plan()
+
+    sched.schedule = held_schedule
+    try:
+        handles.append(r.submit(prompt, max_tokens=200, sampling=GREEDY))
+        assert between.wait(WAIT)
+        sched.close() if how == "shutdown" else handles[0].cancel()
+        assert handles[0].request.status.terminal and handles[0].request.generated == 3  # released now
+        go.set()
+        if how == "client left":
+            for _ in range(2000):  # the engine thread saves it without another request
+                if (tmp_path / ".coli_kv").is_file() and r.store.flush(0.01):
+                    break
+                time.sleep(0.005)
+            assert (tmp_path / ".coli_kv").is_file()
+    finally:
+        go.set()
+        r.close()
+    state = read_state(tmp_path / ".coli_kv")
+    assert state.tokens[: len(prompt)] == prompt and len(state.tokens) >= len(prompt) + 2
 
 
 def test_state_from_another_model_is_ignored(model, tmp_path, hf_models):

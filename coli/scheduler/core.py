@@ -198,6 +198,7 @@ class Scheduler:
         self.step_no = 0
         self.closed = False
         self._in_flight: StepPlan | None = None
+        self._released: list[Request] = []  # running requests cancelled between steps (take_released)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.counts = dict(admitted=0, completed=0, failed=0, rejected=0, timed_out=0, cancelled=0)
@@ -265,8 +266,17 @@ class Scheduler:
                           count="cancelled")
             elif not self._is_in_flight(req):
                 self._release(req, Status.CANCELLED, RequestCancelledError("cancelled"))
+                self._released.append(req)  # no step reports it: its slot is saved from take_released
             self._wake.notify_all()
             return True
+
+    def take_released(self) -> list[Request]:
+        """The running requests cancelled between steps since the last call (a client that
+        left, or close() at shutdown): a step's own endings are update_from_output's; these
+        gave their slot back outside any step, and the engine thread saves their KV too."""
+        with self._lock:
+            out, self._released = self._released, []
+            return out
 
     def close(self) -> None:
         """Take no new requests; cancel waiters and running requests."""
