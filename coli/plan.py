@@ -156,12 +156,30 @@ class Plan:
         return out
 
 
-def _kv_per_token(cfg, itemsize: int = 2) -> int:
-    """KV bytes of one token, every layer, at ``itemsize`` bytes a value (f16: 2)."""
+def _cache_head_dim(cfg) -> int:
+    """The widest row of one head the attention reads from the cache (MLA: its latent and
+    rotary parts), as the model's layers report it (``cache_head_dim``)."""
     r = cfg.raw
     if cfg.model_type == "deepseek_v3":
-        width = int(r.get("kv_lora_rank") or 0) + int(r.get("qk_rope_head_dim") or 0)
-        return cfg.num_hidden_layers * width * itemsize
+        return int(r.get("kv_lora_rank") or 0) + int(r.get("qk_rope_head_dim") or 0)
+    return cfg.head_dim
+
+
+def kv_cache_dtype_of(cfg, requested: str | None) -> str:
+    """The KV cache dtype an engine of this model will use: the one requested (or the
+    default), except f32 where the heads are wider than an f16 cache's attention reads
+    (Engine: ``model.f16_kv_ok()``)."""
+    from coli._engine import kernels as K
+    from coli.kv.dtype import kv_dtype
+
+    dt = kv_dtype(requested)
+    return "f32" if dt == "f16" and _cache_head_dim(cfg) > K.F16_HEAD_MAX else dt
+
+
+def _kv_per_token(cfg, itemsize: int = 2) -> int:
+    """KV bytes of one token, every layer, at ``itemsize`` bytes a value (f16: 2)."""
+    if cfg.model_type == "deepseek_v3":
+        return cfg.num_hidden_layers * _cache_head_dim(cfg) * itemsize
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
@@ -219,9 +237,9 @@ def make_plan(path: str | os.PathLike, *, quant: str | None = None, head_quant: 
         ck = Checkpoint(path)
         dense, exp = _tensor_bytes([(n, ck.shape(n)) for n in ck.names()], quant, head_quant)
     usable, source = usable_memory()
-    from coli.kv.dtype import ITEMSIZE, kv_dtype
+    from coli.kv.dtype import ITEMSIZE
 
-    per_token = _kv_per_token(cfg, ITEMSIZE[kv_dtype(kv_cache_dtype)])
+    per_token = _kv_per_token(cfg, ITEMSIZE[kv_cache_dtype_of(cfg, kv_cache_dtype)])
     buffers = 256 * (4 * cfg.hidden_size + 3 * max(cfg.intermediate_size, cfg.moe_intermediate_size)
                      + cfg.vocab_size) * 4
     held = exp

@@ -87,3 +87,18 @@ def test_cli_rejects_a_bad_dtype_in_one_line_and_bench_reports_it():
         assert outs[t]["kv_cache_dtype"] == t
     assert 2 * outs["f16"]["kv_bytes_per_token"] == outs["f32"]["kv_bytes_per_token"]
     assert 2 * outs["f16"]["kv_bytes_read_per_token"] == outs["f32"]["kv_bytes_read_per_token"]
+
+
+def test_heads_wider_than_f16_attention_reads_get_an_f32_cache_and_the_plan_counts_it(tmp_path):
+    """Heads of more than 576 values (none known) are beyond what an f16 cache's attention
+    widens: the engine stores f32 instead, and `coli plan` counts the bytes it will hold."""
+    from coli._engine import kernels as K
+    from tests.conftest import make_hf_model
+
+    hd = K.F16_HEAD_MAX + 64
+    make_hf_model("llama", tmp_path, seed=0, hidden_size=2 * hd, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=hd, intermediate_size=32, num_hidden_layers=1)
+    m = coli.load(tmp_path, threads=1)
+    assert m.engine.kv_cache_dtype == "f32" and m.engine.new_cache(4).k.dtype == np.float32
+    assert make_plan(tmp_path).kv_per_token == kv_bytes_per_token(m.engine) == 1 * 2 * 1 * hd * 4
+    assert coli.load(tmp_path, threads=1, kv_cache_dtype="f32").engine.kv_cache_dtype == "f32"
