@@ -223,8 +223,9 @@ class Engine:
 
     @property
     def threads_in_use(self) -> int:
-        """The kernel threads the next step uses: ``threads``, or fewer while the governor
-        finds the machine too busy for all of them."""
+        """The kernel threads the next decode step uses: ``threads``, or fewer while the
+        governor finds the machine too busy for all of them (or tries fewer; a prefill chunk
+        runs with the count it has kept)."""
         return self.governor.active if self.governor is not None else self.threads
 
     def new_cache(self, capacity: int = 64) -> KVCache:

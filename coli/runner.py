@@ -152,6 +152,7 @@ class Runner:
         self._vocabulary = None
         self._scorer = None  # coli.scoring.BranchScorer, made on the first batched scoring request
         self.scheduler = Scheduler(self.config, metrics=self.metrics, listener=self._on_change, histories=histories)
+        self.scheduler.hold_released = self.store is not None  # a slot freed between steps is saved first
         # speculative decoding (coli.speculate): drafts appended to decoding entries, verified in _step
         self.speculator = Speculator.create(self, speculative, draft_model)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
@@ -342,18 +343,29 @@ class Runner:
                 continue
             self.store.save(i, tokens, cache.k[:, :n].copy(), cache.v[:, :n].copy())
 
+    def _save_released(self) -> None:
+        """Save the slots of requests cancelled between steps (they wait, unavailable to
+        other requests, until this hands them back)."""
+        released = self.scheduler.take_released()
+        if released:
+            try:
+                self._save(released)
+            finally:
+                self.scheduler.saved(released)
+
     # -- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
         sched = self.scheduler
         try:
             while True:
+                self._save_released()
                 plan = sched.schedule()
                 if plan and self.speculator is not None:
                     self.speculator.extend(plan)  # draft tokens onto decoding entries
                 if not plan:
-                    self._save(sched.take_released())  # (at shutdown: the slots close() just freed)
                     if sched.closed:
+                        self._save_released()  # (the slots close() just freed)
                         return
                     sched.wait_for_work(timeout=1.0)
                     continue
@@ -363,7 +375,7 @@ class Runner:
                     except Exception as e:  # the engine failed: the requests of this step fail, others go on
                         log.exception("engine step failed")
                         ended = sched.fail_step(plan, f"{type(e).__name__}: {e}")
-                self._save(ended + sched.take_released())
+                self._save(ended)
         except BaseException as e:  # a bug in the loop itself: no request may wait forever
             log.exception("the runner stopped")
             sched.abort(f"the runner stopped: {type(e).__name__}: {e}")

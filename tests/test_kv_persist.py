@@ -291,17 +291,18 @@ def test_restart_reuses_the_saved_prefix(model, tmp_path):
     assert not any("ignoring" in n for n in notes)
 
 
-@pytest.mark.parametrize("how", ["shutdown", "client left"])
+@pytest.mark.parametrize("how", ["shutdown", "client left", "client left, another waiting"])
 def test_a_request_stopped_between_two_steps_still_saves_its_slot(model, tmp_path, how):
     """A request cancelled while no step computes it (a shutdown's close(), or its client
     leaving) gives its slot back at once, outside any step: its KV is saved all the same (it
-    once was not: a signal between two steps left no .coli_kv). The engine thread is held
-    between two steps, before it plans the next, while the request is stopped."""
+    once was not: a signal between two steps left no .coli_kv), and before a request waiting
+    for that slot may overwrite it. The engine thread is held between two steps, before it
+    plans the next, while the request is stopped."""
     prompt = model.tokenizer.encode("w1 w2 w3 w4 w5 w6")
     r = Runner(model, kv_slots=1, kv_dir=tmp_path)
-    sched, handles = r.scheduler, []
+    sched, handles, saves = r.scheduler, [], []
     between, go = threading.Event(), threading.Event()
-    plan = sched.schedule
+    plan, save = sched.schedule, r.store.save
 
     def held_schedule():
         if handles and handles[0].request.generated >= 3 and not between.is_set():
@@ -309,14 +310,23 @@ def test_a_request_stopped_between_two_steps_still_saves_its_slot(model, tmp_pat
             go.wait(WAIT)
         return plan()
 
-    sched.schedule = held_schedule
+    def spied_save(slot, tokens, k, v):
+        saves.append(list(tokens))
+        save(slot, tokens, k, v)
+
+    sched.schedule, r.store.save = held_schedule, spied_save
     try:
         handles.append(r.submit(prompt, max_tokens=200, sampling=GREEDY))
         assert between.wait(WAIT)
+        waiter = None
+        if how.endswith("waiting"):  # queued for the one slot, which it takes the moment it is free
+            waiter = r.submit(model.tokenizer.encode("w9 w8 w7"), max_tokens=4, sampling=GREEDY)
         sched.close() if how == "shutdown" else handles[0].cancel()
         assert handles[0].request.status.terminal and handles[0].request.generated == 3  # released now
         go.set()
-        if how == "client left":
+        if waiter is not None:
+            waiter.result(timeout=WAIT)
+        elif how == "client left":
             for _ in range(2000):  # the engine thread saves it without another request
                 if (tmp_path / ".coli_kv").is_file() and r.store.flush(0.01):
                     break
@@ -325,8 +335,10 @@ def test_a_request_stopped_between_two_steps_still_saves_its_slot(model, tmp_pat
     finally:
         go.set()
         r.close()
-    state = read_state(tmp_path / ".coli_kv")
-    assert state.tokens[: len(prompt)] == prompt and len(state.tokens) >= len(prompt) + 2
+    assert saves and saves[0][: len(prompt)] == prompt and len(saves[0]) >= len(prompt) + 2, saves
+    if how != "client left, another waiting":
+        state = read_state(tmp_path / ".coli_kv")
+        assert state.tokens == saves[0]
 
 
 def test_state_from_another_model_is_ignored(model, tmp_path, hf_models):

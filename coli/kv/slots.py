@@ -20,10 +20,11 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # the history its KV cache holds
     owner: object | None = None  # the request holding the slot, if any
     last_used: int = 0  # a logical clock: larger is more recent
+    saving: bool = False  # released between steps, its KV not yet handed to the saver: not free yet
 
     @property
     def free(self) -> bool:
-        return self.owner is None
+        return self.owner is None and not self.saving
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """Prompt tokens whose KV this slot already holds. At least one prompt token is

@@ -199,6 +199,7 @@ class Scheduler:
         self.closed = False
         self._in_flight: StepPlan | None = None
         self._released: list[Request] = []  # running requests cancelled between steps (take_released)
+        self.hold_released = False  # their slots wait for saved() (set by a runner that persists KV)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.counts = dict(admitted=0, completed=0, failed=0, rejected=0, timed_out=0, cancelled=0)
@@ -266,17 +267,29 @@ class Scheduler:
                           count="cancelled")
             elif not self._is_in_flight(req):
                 self._release(req, Status.CANCELLED, RequestCancelledError("cancelled"))
-                self._released.append(req)  # no step reports it: its slot is saved from take_released
+                if self.hold_released:  # no step reports it: the engine thread saves it (take_released),
+                    self.slots[req.slot].saving = True  # and no other request may take the slot before
+                    self._released.append(req)
             self._wake.notify_all()
             return True
 
     def take_released(self) -> list[Request]:
         """The running requests cancelled between steps since the last call (a client that
         left, or close() at shutdown): a step's own endings are update_from_output's; these
-        gave their slot back outside any step, and the engine thread saves their KV too."""
+        gave their slot back outside any step. With ``hold_released`` set, their slots stay
+        unavailable until ``saved(...)`` (the engine thread saves their KV first, then hands
+        them back: within one engine step); otherwise none are kept and the slot is free at
+        once."""
         with self._lock:
             out, self._released = self._released, []
             return out
+
+    def saved(self, reqs: list[Request]) -> None:
+        """The slots of these (take_released's) requests are free for others again."""
+        with self._lock:
+            for req in reqs:
+                self.slots[req.slot].saving = False
+            self._wake.notify_all()
 
     def close(self) -> None:
         """Take no new requests; cancel waiters and running requests."""
@@ -385,7 +398,7 @@ class Scheduler:
         """Block (the engine thread, when idle) until a request arrives or changes, or
         the next queue deadline, or ``timeout``."""
         with self._lock:
-            if self.running or self.closed:
+            if self.running or self.closed or self._released:
                 return
             deadline = min((r.deadline for r in self.waiting), default=None)
             if deadline is not None:
