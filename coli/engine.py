@@ -255,8 +255,9 @@ class Engine:
             batch, rows = self._batch(entries, all_logits)
         n = len(batch.ids)
         gov = self.governor
-        if gov is not None and K.get_num_threads() != gov.for_step(n):  # (or another engine set its own)
-            K.set_num_threads(gov.for_step(n))
+        want = gov.for_step(n) if gov is not None else None
+        if want is not None and K.get_num_threads() != want:  # (or another engine in this process set its own)
+            K.set_num_threads(want)
         ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
         logits = self.model.forward(batch, self.run_state, rows)

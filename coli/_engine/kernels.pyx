@@ -695,13 +695,10 @@ cdef float *_att_scratch(size_t need) except NULL:
 F16_HEAD_MAX = COLI_STAGE_LD  # the widest head (values) attention reads from an f16 cache
 
 
-cdef inline int _run_end(const att_call *a, int m, int M, int *n) noexcept nogil:
-    """The end of the run of rows from m that share m's caches; *n = the positions they attend
-    up to (the run's largest pos + 1)."""
+cdef inline int _run_end(const att_call *a, int m, int M) noexcept nogil:
+    """The end of the run of rows from m that share m's caches."""
     cdef int e = m
-    n[0] = 0
     while e < M and a.kptr[e] == a.kptr[m] and a.vptr[e] == a.vptr[m]:
-        n[0] = max(n[0], a.pos[e] + 1)
         e += 1
     return e
 
@@ -763,11 +760,10 @@ cdef int _attend(att_call *a, int M) except -1:
     a.group = a.nh // a.nkv
     a.nsb = (a.group + COLI_ATT_HB - 1) // COLI_ATT_HB
     a.ks = <long>a.nkv * a.hd
+    a.maxch = 1
     for m in range(M):
         if a.pos[m] < 0:
             raise ValueError("attention: negative position")
-    a.maxch = 1
-    for m in range(M):
         keys += a.pos[m] + 1 - _att_start(a, m)
         a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb
@@ -803,9 +799,9 @@ cdef int _tile(const att_call *a, int M, int rows, int32_t *tiles) noexcept nogi
     """Cut the M rows into tiles of up to ``rows`` consecutive rows that read the same caches
     (one sequence's: a prompt in prefill, a speculative step's draft rows); tile t is rows
     [tiles[t], tiles[t + 1]). Returns the number of tiles."""
-    cdef int m = 0, e, n, t = 0
+    cdef int m = 0, e, t = 0
     while m < M:
-        e = _run_end(a, m, M, &n)
+        e = _run_end(a, m, M)
         while m < e:
             tiles[t] = m
             t += 1
