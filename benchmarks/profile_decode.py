@@ -36,15 +36,16 @@ KERNELS = ("qlinear", "qlinear_many", "attention_front", "attention", "rmsnorm",
            "embed_rows", "linear", "moe_experts", "moe_route_softmax", "moe_route_sigmoid")
 
 
-def decode(eng, cache, n: int) -> tuple[float, float]:
-    """Seconds of wall clock and of process CPU time per token over n one-token steps."""
+def decode(eng, caches, n: int) -> tuple[float, float]:
+    """Seconds of wall clock and of process CPU time per step over n steps of one token for
+    each cache (several caches: one batched step of several sequences)."""
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
-        eng.step([(cache, [5])])
+        eng.step([(c, [5]) for c in caches])
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def per_kernel(eng, cache, n: int, clock) -> tuple[dict, collections.Counter, float]:
+def per_kernel(eng, caches, n: int, clock) -> tuple[dict, collections.Counter, float]:
     tot: dict[str, float] = collections.defaultdict(float)
     cnt: collections.Counter = collections.Counter()
     orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
@@ -62,27 +63,28 @@ def per_kernel(eng, cache, n: int, clock) -> tuple[dict, collections.Counter, fl
         setattr(K, k, wrap(k, f))
     t0 = clock()
     try:
-        decode(eng, cache, n)
+        decode(eng, caches, n)
     finally:
         for k, f in orig.items():
             setattr(K, k, f)
     return tot, cnt, (clock() - t0) / n
 
 
-def wiring(eng, cache, n: int) -> float:
+def wiring(eng, caches, n: int) -> float:
     """Thread CPU seconds per one-token step with every K.* call a no-op: the Python of the
     engine's step and the model's wiring alone (the cache is cut back after each step)."""
     orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
     for k in orig:
         setattr(K, k, lambda *a, **kw: None)
-    start = len(cache)
+    starts = [len(c) for c in caches]
     try:
         ts = []
         for _ in range(n):
             t0 = time.thread_time()
-            eng.step([(cache, [5])])
+            eng.step([(c, [5]) for c in caches])
             ts.append(time.thread_time() - t0)
-            cache.truncate(start)
+            for c, start in zip(caches, starts):
+                c.truncate(start)
     finally:
         for k, f in orig.items():
             setattr(K, k, f)
@@ -120,6 +122,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per part")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="sequences decoded together, one token each per step (times are per step)")
     ap.add_argument("--matrices", action="store_true", help="also time layer 0's matrices alone")
     ap.add_argument("--calls", type=int, default=1000, help="timed calls per matrix (--matrices)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
@@ -130,23 +134,25 @@ def main() -> None:
     clock = time.thread_time if cpu_clock else time.perf_counter
     m = coli.load(a.model, threads=a.threads)
     eng = m.engine
-    cache = eng.new_cache(48 + 2 * a.tokens)
-    eng.step([(cache, list(range(2, 34)))])
-    decode(eng, cache, 8)  # warm-up
-    wall, cpu = decode(eng, cache, a.tokens)
+    caches = [eng.new_cache(48 + 2 * a.tokens) for _ in range(a.streams)]
+    for i, c in enumerate(caches):
+        eng.step([(c, list(range(2 + i, 34 + i)))])
+    decode(eng, caches, 8)  # warm-up
+    wall, cpu = decode(eng, caches, a.tokens)
     load = os.getloadavg()[0]
-    print(f"{a.model} · {K.simd_name()} · {a.threads} threads · load {load:.1f}")
-    print(f"decode: {wall * 1e3:.3f} ms/token ({1 / wall:.1f} tok/s), process CPU {cpu * 1e3:.3f} ms/token")
-    tot, cnt, wall2 = per_kernel(eng, cache, a.tokens, clock)
+    S = a.streams
+    print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {S} stream{'s' if S > 1 else ''} · load {load:.1f}")
+    print(f"decode: {wall * 1e3:.3f} ms/step ({S / wall:.1f} tok/s), process CPU {cpu * 1e3:.3f} ms/step")
+    tot, cnt, wall2 = per_kernel(eng, caches, a.tokens, clock)
     n = a.tokens
-    print(f"with every K.* call timed ({'thread CPU time' if cpu_clock else 'wall clock'}): {wall2 * 1e3:.3f} ms/token")
+    print(f"with every K.* call timed ({'thread CPU time' if cpu_clock else 'wall clock'}): {wall2 * 1e3:.3f} ms/step")
     inside = 0.0
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:18s} {v / n * 1e3:8.3f} ms/token {cnt[k] / n:6.0f} calls/token {v / cnt[k] * 1e6:8.1f} us/call")
+        print(f"  {k:18s} {v / n * 1e3:8.3f} ms/step {cnt[k] / n:6.0f} calls/step {v / cnt[k] * 1e6:8.1f} us/call")
         inside += v / n
-    print(f"  {'outside K.*':18s} {(wall2 - inside) * 1e3:8.3f} ms/token (the step's Python and the timers' own cost)")
+    print(f"  {'outside K.*':18s} {(wall2 - inside) * 1e3:8.3f} ms/step (the step's Python and the timers' own cost)")
     if not eng.model.moe_layers:  # (MoE layers read the no-op router's output)
-        print(f"the step's Python alone (every K.* a no-op, median): {wiring(eng, cache, 200) * 1e6:.1f} us/token")
+        print(f"the step's Python alone (every K.* a no-op, median): {wiring(eng, caches, 200) * 1e6:.1f} us/step")
     if a.matrices:
         print(f"layer 0's matrices alone, one token, cache-hot, thread CPU time ({a.threads} threads: the caller's):")
         for name, med, low in matrices(eng.model, eng.run_state, a.calls):

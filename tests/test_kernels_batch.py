@@ -67,6 +67,42 @@ def test_each_token_of_a_batch_gets_its_own_result(fmt):
             np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens, K {K_}")
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_long_call_runs_in_chunks_of_tokens_with_the_bits_of_one_call(fmt, packed):
+    """A prompt's call whose activations outgrow L2 runs in chunks of tokens (the last one
+    longer): every row has the bits the call has in one piece (and on AVX-512 VNNI, where every
+    call takes the same tiles, the bits of that token's call alone); the same for gate and up
+    with their activation (qlinear_many)."""
+    M, K_ = 150, 576
+    x, w, w2 = rand(M, K_), rand(40, K_, scale=0.2), rand(40, K_, scale=0.2)
+    m, m2 = quantize(w, fmt), quantize(w2, fmt)
+    if packed and not (m.pack() and m2.pack()):
+        pytest.skip(f"{K.simd_name()} keeps {fmt} matrices in rows")
+
+    def both():
+        g, u = np.full((M, 40), np.nan, np.float32), np.full((M, 40), np.nan, np.float32)
+        K.qlinear_many(x, (m, m2), (g, u), (None, None), *_scratch(M, K_), act=0)
+        return _qlinear(x, m), g
+
+    try:
+        K.set_xe_chunk_bytes(0)  # never in chunks
+        whole = both()
+        outs = []
+        for budget in (1, 100000, 128 << 10):  # the smallest chunks (16 tokens), then longer ones
+            K.set_xe_chunk_bytes(budget)
+            outs.append(both())
+    finally:
+        K.set_xe_chunk_bytes(128 << 10)
+    for got in outs:
+        np.testing.assert_array_equal(got[0], whole[0])
+        np.testing.assert_array_equal(got[1], whole[1])
+    if K.simd_name() != "avx512vnni":  # (AVX2's prefill GEMMs, from 6 or 64 tokens, sum in another order)
+        return
+    for i in (0, 15, 16, 17, 63, 64, 127, 149):
+        np.testing.assert_array_equal(_qlinear(x[i:i + 1].copy(), m)[0], whole[0][i], err_msg=f"token {i}")
+
+
 def test_int8_rows_get_the_same_bits_in_any_row_tile():
     """int8 tiles take 4 rows at a time (AVX2: interleaved in registers, the rows past the
     last 4 in a tile that repeats the last one; AVX-512 VNNI: 4 rows for one token, 2 for

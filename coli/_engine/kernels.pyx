@@ -154,6 +154,19 @@ cdef long XE_MAX_BYTES = 16 << 20  # calls whose arranged activations would take
                                    # chunks) use the plain tiles, so the scratch stays small
 
 
+cdef int XE_CHUNK_MIN = 16
+cdef long XE_CHUNK_BYTES = 128 << 10  # a call whose activations, as its tiles re-read them for every
+                                     # 4 rows, take more runs in chunks of tokens (long prompts):
+                                     # each chunk's stay in L2 while every row block reads them
+
+
+def set_xe_chunk_bytes(long n):
+    """Tune the activation bytes (as the multi-token quantized tiles read them) above which a
+    quantized call of many tokens runs in chunks of tokens (0: never). Chunks change no bits."""
+    global XE_CHUNK_BYTES
+    XE_CHUNK_BYTES = n
+
+
 def set_xe_max_bytes(long n):
     """Tune the largest arranged-activation scratch a multi-token quantized call may use
     (0: never arrange; every call on matrices in rows then takes the plain tiles, and a

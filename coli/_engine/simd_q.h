@@ -987,9 +987,9 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
 #endif
         int n = 0;
 #if defined(COLI_Q512)
-        if (a->xe != NULL && M >= COLI_XT_MIN) /* several tokens: 4 interleaved rows at a time */
-            for (; n + 4 <= nb; n += 4)
-                for (int m = 0; m < M; m += COLI_XT_MR) {
+        if (a->xe != NULL && M >= COLI_XT_MIN) { /* several tokens: 4 interleaved rows at a time */
+            for (int m = 0; m < M; m += COLI_XT_MR) /* (tokens outside: their activations stay in L1) */
+                for (n = 0; n + 4 <= nb; n += 4) {
                     int mr = M - m < COLI_XT_MR ? M - m : COLI_XT_MR;
                     coli_act sub = *a;
                     sub.q = a->q + m * a->ldq;
@@ -1004,6 +1004,8 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
                     else
                         coli_q4tile_x(mr, &sub, w4, d4, NULL, W->ldw, W->ldd, ngroups, y, ldy);
                 }
+            n = nb / 4 * 4; /* (also with M = 0) the rows left take the plain tiles below */
+        }
 #endif
         for (; n < nb; n += 4) {
             int nr = nb - n < 4 ? nb - n : 4;

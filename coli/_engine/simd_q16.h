@@ -377,10 +377,10 @@ static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, 
     int ngroups = (K + QK - 1) / QK;
     const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
     const uint16_t *wd = W->d + (long)n0 * W->ldd;
-    for (int n = 0; n < nb; n += 4) {
-        int n4 = nb - n < 4 ? nb - n : 4;
-        for (int m = 0; m < M; m += COLI_Q16V_MR) {
-            int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR, step = coli_q16v_rows(mr);
+    for (int m = 0; m < M; m += COLI_Q16V_MR) {
+        int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR;
+        for (int n = 0; n < nb; n += 4) {
+            int n4 = nb - n < 4 ? nb - n : 4, step = coli_q16v_rows(mr);
             for (int r = 0; r < n4; r += step) {
                 int nr = n4 - r < step ? 1 : step;
                 if (nr == 1) step = 1;

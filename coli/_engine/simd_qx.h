@@ -604,13 +604,13 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
 static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                    long ldy) {
     int ngroups = (K + QK - 1) / QK;
-    for (int n = 0; n < nb; n += 4) {
-        const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
-        int nr = nb - n < 4 ? nb - n : 4;
-        for (int m = 0; m < M; m += COLI_Q4X_MR) {
-            int mr = M - m < COLI_Q4X_MR ? M - m : COLI_Q4X_MR;
-            coli_act sub = *a;
-            sub.xe = a->xe + m * a->lde;
+    for (int m = 0; m < M; m += COLI_Q4X_MR) {
+        int mr = M - m < COLI_Q4X_MR ? M - m : COLI_Q4X_MR;
+        coli_act sub = *a;
+        sub.xe = a->xe + m * a->lde;
+        for (int n = 0; n < nb; n += 4) {
+            const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
+            int nr = nb - n < 4 ? nb - n : 4;
             float *y = Y + m * ldy + n0 + n;
             if (W->fmt == COLI_Q4A)
                 coli_q4atile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
