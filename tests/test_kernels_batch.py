@@ -72,35 +72,42 @@ def test_each_token_of_a_batch_gets_its_own_result(fmt):
 def test_a_long_call_runs_in_chunks_of_tokens_with_the_bits_of_one_call(fmt, packed):
     """A prompt's call whose activations outgrow L2 runs in chunks of tokens (the last one
     longer): every row has the bits the call has in one piece (and on AVX-512 VNNI, where every
-    call takes the same tiles, the bits of that token's call alone); the same for gate and up
-    with their activation (qlinear_many)."""
-    M, K_ = 150, 576
-    x, w, w2 = rand(M, K_), rand(40, K_, scale=0.2), rand(40, K_, scale=0.2)
+    call takes the same tiles, the bits of that token's call alone); the same with a bias, and
+    for gate and up with their activation (qlinear_many). 150 tokens chunk on AVX-512 VNNI;
+    40 tokens with the smallest budget (chunks of 16 + 24) also on AVX2's packed int4 tiles."""
+    K_ = 576
+    w, w2 = rand(40, K_, scale=0.2), rand(40, K_, scale=0.2)
+    bias = rand(40)
     m, m2 = quantize(w, fmt), quantize(w2, fmt)
     if packed and not (m.pack() and m2.pack()):
         pytest.skip(f"{K.simd_name()} keeps {fmt} matrices in rows")
 
-    def both():
-        g, u = np.full((M, 40), np.nan, np.float32), np.full((M, 40), np.nan, np.float32)
+    def calls(x):
+        M = len(x)
+        y, g, u = (np.full((M, 40), np.nan, np.float32) for _ in range(3))
+        K.qlinear(x, m, y, bias, *_scratch(M, K_))
         K.qlinear_many(x, (m, m2), (g, u), (None, None), *_scratch(M, K_), act=0)
-        return _qlinear(x, m), g
+        return y, g
 
-    try:
-        K.set_xe_chunk_bytes(0)  # never in chunks
-        whole = both()
-        outs = []
-        for budget in (1, 100000, 128 << 10):  # the smallest chunks (16 tokens), then longer ones
-            K.set_xe_chunk_bytes(budget)
-            outs.append(both())
-    finally:
-        K.set_xe_chunk_bytes(128 << 10)
-    for got in outs:
-        np.testing.assert_array_equal(got[0], whole[0])
-        np.testing.assert_array_equal(got[1], whole[1])
-    if K.simd_name() != "avx512vnni":  # (AVX2's prefill GEMMs, from 6 or 64 tokens, sum in another order)
-        return
-    for i in (0, 15, 16, 17, 63, 64, 127, 149):
-        np.testing.assert_array_equal(_qlinear(x[i:i + 1].copy(), m)[0], whole[0][i], err_msg=f"token {i}")
+    for M, budgets in ((150, (1, 100000, 128 << 10)), (40, (1,))):
+        x = rand(M, K_)
+        try:
+            K.set_xe_chunk_bytes(0)  # never in chunks
+            whole = calls(x)
+            outs = []
+            for budget in budgets:  # the smallest chunks (16 tokens), then longer ones
+                K.set_xe_chunk_bytes(budget)
+                outs.append(calls(x))
+        finally:
+            K.set_xe_chunk_bytes(128 << 10)
+        for got in outs:
+            np.testing.assert_array_equal(got[0], whole[0], err_msg=f"{M} tokens")
+            np.testing.assert_array_equal(got[1], whole[1], err_msg=f"{M} tokens, gate and up")
+        if K.simd_name() != "avx512vnni":  # (AVX2's prefill GEMMs, from 6 or 64 tokens, sum in another order)
+            continue
+        for i in (0, 15, 16, 17, 31, 32, 39, 63, 64, 127, 149):
+            if i < M:
+                np.testing.assert_array_equal(calls(x[i:i + 1].copy())[0][0], whole[0][i], err_msg=f"token {i}")
 
 
 def test_int8_rows_get_the_same_bits_in_any_row_tile():

@@ -162,7 +162,10 @@ cdef long XE_CHUNK_BYTES = 128 << 10  # a call whose activations, as its tiles r
 
 def set_xe_chunk_bytes(long n):
     """Tune the activation bytes (as the multi-token quantized tiles read them) above which a
-    quantized call of many tokens runs in chunks of tokens (0: never). Chunks change no bits."""
+    quantized call of many tokens runs in chunks of tokens (0: never). Each chunk takes the
+    tiles the whole call would, so a row gets the bits it has in one piece; only int4 rows
+    (AVX-512 VNNI) past set_xe_max_bytes, which in one piece take the plain tiles, get the
+    arranged tiles' bits in chunks (each token's bits alone)."""
     global XE_CHUNK_BYTES
     XE_CHUNK_BYTES = n
 

@@ -421,8 +421,8 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
         return 0
     # A long call (a prompt) in chunks of tokens: the tiles go over the rows 4 at a time and
     # re-read the activations of every token each time, from L3 once they outgrow L2
-    cdef long per = 0
-    cdef int c, s, e
+    cdef long per = 0, c
+    cdef int s, e
     if fmt == COLI_Q8:
         per = coli_q16_xe_ld(M, K) if coli_q16_xe_used(M) else 0
     elif quant:
@@ -430,8 +430,8 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
         if per == 0 and packed:
             per = coli_q4x_xe_ld(M, K)
     if per and XE_CHUNK_BYTES > 0:
-        c = max(XE_CHUNK_MIN, XE_CHUNK_BYTES // per // 8 * 8)
-        if M >= 2 * c:  # chunks of c tokens, the last one up to 2c - 1
+        c = max(XE_CHUNK_MIN, XE_CHUNK_BYTES // per // 8 * 8)  # (a long: any budget is safe)
+        if M >= 2 * c:  # chunks of c tokens, the last one up to 2c - 1 (c < M here)
             for s in range(0, M // c * c, c):
                 e = M if s + 2 * c > M else s + c
                 _qlinear_group(x[s:e], mats, tuple(o[s:e] for o in outs), biases, xq, xqd, xqs, act)
