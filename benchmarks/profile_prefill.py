@@ -28,7 +28,7 @@ from coli._engine import kernels as K
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="model directory (default: the synthetic olmoe-mini, seed 0)")
-    ap.add_argument("--quant", default="int8", help="weight format for an HF directory (default int8)")
+    ap.add_argument("--quant", default="int8", help="weight format for an HF directory (default int8; a converted directory keeps its own)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -40,7 +40,10 @@ def main() -> None:
         if not (d / "config.json").exists():
             write_hf("olmoe-mini", d, seed=0)
         path = str(d)
-    m = coli.load(path, threads=a.threads, quant=a.quant, head_quant=a.quant)
+    from pathlib import Path
+
+    converted = (Path(path) / "coli.json").exists()  # (a converted directory has its own format)
+    m = coli.load(path, threads=a.threads, **({} if converted else {"quant": a.quant, "head_quant": a.quant}))
     eng = m.engine
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 1000, a.tokens)]
     clock = time.thread_time if a.threads == 1 else time.perf_counter
@@ -83,7 +86,7 @@ def main() -> None:
         if best is None or t < best[0]:
             best = (t, dict(tot), dict(cnt), dict(shapes))
     t, tot, cnt, shapes = best
-    print(f"{path} · {a.quant} · {K.simd_name()} · {a.threads} thread(s) · load {os.getloadavg()[0]:.1f}")
+    print(f"{path} · {'converted' if converted else a.quant} · {K.simd_name()} · {a.threads} thread(s) · load {os.getloadavg()[0]:.1f}")
     print(f"prefill of {a.tokens} tokens: {t * 1e3:.1f} ms ({a.tokens / t:.0f} tok/s), "
           f"{'thread CPU time' if a.threads == 1 else 'wall clock'}, best of {a.repeats}")
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
