@@ -42,7 +42,9 @@ def main() -> None:
         path = str(d)
     from pathlib import Path
 
-    converted = (Path(path) / "coli.json").exists()  # (a converted directory has its own format)
+    from coli.weights.converted import MANIFEST
+
+    converted = (Path(path) / MANIFEST).exists()  # (a converted directory has its own format)
     m = coli.load(path, threads=a.threads, **({} if converted else {"quant": a.quant, "head_quant": a.quant}))
     eng = m.engine
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 1000, a.tokens)]

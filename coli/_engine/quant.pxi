@@ -419,16 +419,17 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
         raise ValueError("qlinear: activation scratch too small")
     if M == 0:
         return 0
+    # int4's arranged activations per token (0: none)
+    cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
+    if packed and lde == 0 and fmt != COLI_Q8:  # (AVX2: only packed int4 matrices take arranged activations,
+        # below the GEMM's size; int8 arranges its int16 activations in any layout, _act16_arranged)
+        lde = coli_q4x_xe_ld(M, K)
     # A long call (a prompt) in chunks of tokens: the tiles go over the rows 4 at a time and
     # re-read the activations of every token each time, from L3 once they outgrow L2
-    cdef long per = 0, c
+    cdef long per = lde, c
     cdef int s, e
     if fmt == COLI_Q8:
         per = coli_q16_xe_ld(M, K) if coli_q16_xe_used(M) else 0
-    elif quant:
-        per = coli_xe_ld(fmt, M, K)
-        if per == 0 and packed:
-            per = coli_q4x_xe_ld(M, K)
     if per and XE_CHUNK_BYTES > 0:
         c = max(XE_CHUNK_MIN, XE_CHUNK_BYTES // per // 8 * 8)  # (a long: any budget is safe)
         if M >= 2 * c:  # chunks of c tokens, the last one up to 2c - 1 (c < M here)
@@ -456,11 +457,7 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
     elif quant:
         g.a = _activations(xp, K, qp, qdp, qsp, kp, kp // QK)
     cdef int nt = _team(<long>M * K * total * g.rb // 4 * (2 if act >= 0 else 1))
-    cdef long lde = coli_xe_ld(fmt, M, K) if quant else 0
     cdef int chunk
-    if packed and lde == 0 and fmt != COLI_Q8:  # (AVX2: only packed int4 matrices take arranged activations,
-        # below the GEMM's size; int8 arranges its int16 activations in any layout, _act16_arranged)
-        lde = coli_q4x_xe_ld(M, K)
     if lde and M * lde > XE_MAX_BYTES:
         if not packed:
             lde = 0
