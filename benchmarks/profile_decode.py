@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per part")
     ap.add_argument("--streams", type=int, default=1,
                     help="sequences decoded together, one token each per step (times are per step)")
+    ap.add_argument("--context", type=int, default=32,
+                    help="prompt tokens prefilled before the decode steps (attention reads this many positions)")
     ap.add_argument("--matrices", action="store_true", help="also time layer 0's matrices alone")
     ap.add_argument("--calls", type=int, default=1000, help="timed calls per matrix (--matrices)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
@@ -134,14 +136,17 @@ def main() -> None:
     clock = time.thread_time if cpu_clock else time.perf_counter
     m = coli.load(a.model, threads=a.threads)
     eng = m.engine
-    caches = [eng.new_cache(48 + 2 * a.tokens) for _ in range(a.streams)]
+    caches = [eng.new_cache(a.context + 16 + 2 * a.tokens) for _ in range(a.streams)]
     for i, c in enumerate(caches):
-        eng.step([(c, list(range(2 + i, 34 + i)))])
+        ids = [2 + (i + j) % 1000 for j in range(a.context)]
+        for s0 in range(0, len(ids), 256):
+            eng.step([(c, ids[s0:s0 + 256])])
     decode(eng, caches, 8)  # warm-up
     wall, cpu = decode(eng, caches, a.tokens)
     load = os.getloadavg()[0]
     S = a.streams
-    print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {S} stream{'s' if S > 1 else ''} · load {load:.1f}")
+    print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {S} stream{'s' if S > 1 else ''} · "
+          f"context {a.context} · load {load:.1f}")
     print(f"decode: {wall * 1e3:.3f} ms/step ({S / wall:.1f} tok/s), process CPU {cpu * 1e3:.3f} ms/step")
     tot, cnt, wall2 = per_kernel(eng, caches, a.tokens, clock)
     n = a.tokens

@@ -22,7 +22,7 @@ from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
 from coli.kv.dtype import KV_DTYPES, kv_dtype
 from coli.models.base import Batch, DecoderLM, RunState
-from coli.threads import ThreadGovernor, enabled
+from coli.threads import ThreadGovernor, compute_threads, enabled
 
 
 def cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
@@ -258,6 +258,7 @@ class Engine:
         want = gov.for_step(n) if gov is not None else None
         if want is not None and K.get_num_threads() != want:  # (or another engine in this process set its own)
             K.set_num_threads(want)
+        compute_threads.note(want or K.get_num_threads())
         ph0, io0 = dict(self.model.phases), self.io_stats()
         t0 = time.perf_counter()
         logits = self.model.forward(batch, self.run_state, rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import numpy as np
@@ -15,7 +16,8 @@ from tests.test_errors import assert_one_line_error, coli_cli
 from coli import synthetic
 from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
-from coli.threads import FIRST_AFTER, FIRST_TRIAL, MAX_AFTER, MAX_UP_AFTER, WINDOW, ThreadGovernor, enabled
+from coli.threads import (FIRST_AFTER, FIRST_TRIAL, MAX_AFTER, MAX_UP_AFTER, WINDOW, ComputeThreads, ThreadGovernor,
+                          enabled)
 
 
 class Machine:
@@ -204,6 +206,91 @@ def test_engine_logits_do_not_depend_on_the_threads_the_governor_picks(tiny, mon
     m = coli.load(tiny, threads=2)
     assert m.engine.governor is None and m.engine.threads_in_use == 2
     m.close()
+
+
+def _in_thread(fn, *args) -> threading.Thread:
+    t = threading.Thread(target=fn, args=args)
+    t.start()
+    t.join()
+    return t
+
+
+def test_a_second_live_compute_thread_is_reported_once_and_an_ended_one_is_not():
+    """Two live threads that have run kernels hold two OpenMP teams (libgomp then sleeps at
+    every barrier once its threads outnumber the CPUs): said once; a thread that ran the model
+    and ended took its team with it, so the next one is no second team."""
+    many = len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+    said: list[str] = []
+    ct = ComputeThreads(warn=said.append)
+    for _ in range(3):
+        _in_thread(ct.note, many)  # one thread after another, each ended before the next: one team at a time
+    ct.note(1)  # the main thread, one kernel thread: no team of workers
+    assert said == []
+    ct.note(many)  # the main thread with many, while no other lives
+    assert said == []
+    ready, done = threading.Event(), threading.Event()
+
+    def runner():  # a second thread that computes and stays alive, as a Runner's does
+        ct.note(many)
+        ready.set()
+        done.wait(10)
+
+    t = threading.Thread(target=runner, name="second")
+    t.start()
+    ready.wait(10)
+    ct.note(many)  # the main thread again, the other alive
+    done.set()
+    t.join()
+    assert len(said) == 1 and "'second'" in said[0] and "one thread" in said[0]
+    ct.note(many)
+    _in_thread(ct.note, many)
+    assert len(said) == 1  # once per process
+
+
+def test_the_engine_reports_a_second_compute_thread(tiny, monkeypatch):
+    """Through the engine: threads that step the model one after another are no second team;
+    a second thread stepping it while the main thread (which has) lives is, with two kernel
+    threads on a machine of at most two CPUs (with more, libgomp keeps spinning)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    said: list[str] = []
+    import coli.engine as E
+
+    monkeypatch.setattr(E, "compute_threads", ComputeThreads(warn=said.append))
+    m = coli.load(tiny, threads=2)
+    eng = m.engine
+    hold = threading.Event()
+    errs: list[BaseException] = []
+
+    def step():
+        try:
+            eng.step([(eng.new_cache(16), [2, 3])])
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errs.append(e)
+
+    for _ in range(2):  # threads that step and end, one after the other: one team at a time
+        t = threading.Thread(target=step)
+        t.start()
+        t.join()
+    eng.step([(eng.new_cache(16), [2, 3])])  # then the main thread
+    assert not errs and said == []
+    done = threading.Event()
+
+    def lingering():
+        eng.step([(eng.new_cache(16), [2, 3])])
+        hold.set()
+        done.wait(10)
+
+    t = threading.Thread(target=lingering)
+    t.start()
+    hold.wait(10)
+    eng.step([(eng.new_cache(16), [2, 3])])
+    done.set()
+    t.join()
+    m.close()
+    if cpus <= 2:
+        assert len(said) == 1 and "OpenMP" in said[0]
+    else:
+        assert said == []
 
 
 def _pin_every_thread(cpus) -> None:
