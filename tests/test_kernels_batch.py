@@ -124,7 +124,7 @@ def test_int8_rows_get_the_same_bits_in_any_row_tile():
 
 
 def test_int8_prefill_tiles_give_each_token_its_own_bits():
-    """From 6 tokens on, AVX2 takes the row-lane int8 tiles (8 rows per vector, blocks of 32
+    """From 9 tokens on, AVX2 takes the row-lane int8 tiles (8 rows per vector, blocks of 32
     groups and 64 tokens): a token still gets the bits of its one-token call, across a second
     K block with an odd last group (K 1055: 33 groups), a second token block (70 tokens) and
     rows past the last 8 (N 21)."""
@@ -132,7 +132,7 @@ def test_int8_prefill_tiles_give_each_token_its_own_bits():
     x[40] *= 1e3
     m = quantize(w, "int8")
     ones = np.stack([_qlinear(x[i:i + 1].copy(), m)[0] for i in range(70)])
-    for M in (6, 8, 11, 64, 70):
+    for M in (6, 8, 9, 11, 64, 70):
         np.testing.assert_array_equal(_qlinear(x[:M].copy(), m), ones[:M], err_msg=f"{M} tokens")
     np.testing.assert_allclose(ones, reference_qlinear(x, m), atol=1e-3, rtol=1e-4)
 
@@ -188,7 +188,7 @@ def test_moe_experts_with_several_tokens_each(fmt, M, H, I):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_moe_prefill_experts_with_few_tokens_each(fmt):
     """A prefill-sized call (64 tokens, so AVX2's int4 experts take the token-lane GEMM from 6
-    tokens on and int8's the row-lane tiles from 6) with experts of 1 to 64 tokens: each
+    tokens on and int8's the row-lane tiles from 9) with experts of 1 to 64 tokens: each
     token's output against its one-token call."""
     E, k, H, I, M = 6, 2, 160, 96, 64
     table = _expert_table(fmt, E, H, I)

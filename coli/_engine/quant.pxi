@@ -232,7 +232,7 @@ cdef coli_act16 _act16_arranged(int16_t *q, float *qd, int M, int K, bint one_ge
     this SIMD path's int8 tiles take one (coli_q16_xe_ld; called with the GIL). one_gemm: the
     M tokens go through each matrix together (qlinear, not a MoE call, whose experts each see
     a few), so no room is made where a GEMM of M tokens never reads it (coli_q16_xe_used:
-    AVX2's row-lane tiles, from 6 tokens, read the int16 rows themselves)."""
+    AVX2's row-lane tiles, from 9 tokens, read the int16 rows themselves)."""
     cdef coli_act16 a = _act16(q, qd, padded(K))
     cdef long lde = coli_q16_xe_ld(M, K)
     if one_gemm and not coli_q16_xe_used(M):

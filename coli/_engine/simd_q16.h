@@ -704,7 +704,12 @@ static inline void coli_q16xtile_pk(int mr, const uint8_t *xe, long lde, const u
  * fma(float(sum), weight scale x activation scale, acc) in group order, added at the end
  * (even + odd); a missing odd group (nb odd) adds the +0 the tiles' zero step adds. */
 #ifndef COLI_Q16R_MIN
-#define COLI_Q16R_MIN 6   /* tokens from which coli_gemm_q16 takes the row-lane tiles (from 4-5 on as fast) */
+/* tokens from which coli_gemm_q16 takes the row-lane tiles. One call alone in cache, they were as
+ * fast from 4-5 tokens on; in a model's step (SmolLM2-135M int8, 1 thread, thread CPU time) a
+ * speculative verification of 6 and 7 tokens took 1.3-1.5x longer on them than on the
+ * interleaved tiles (29.9-30.3 ms a step against 41.7-44.8 at 6), 8 about even, 12 even, 16 on
+ * faster (71-72 ms against 88-100). The same bits either way. */
+#define COLI_Q16R_MIN 9
 #endif
 #define COLI_Q16R_MR 4    /* tokens per tile: 8 float + 4 int32 accumulators */
 #define COLI_Q16R_KC 32   /* groups per widened weight block (8 rows: 16 KB) */
