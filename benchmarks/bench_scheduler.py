@@ -27,7 +27,6 @@ import numpy as np
 import coli
 from coli import synthetic
 from coli.runner import Runner
-from coli.threads import run_in_thread
 from coli.scheduler import Started, TextDelta
 
 
@@ -60,14 +59,7 @@ def decode_throughput(model, streams: int, gen_tokens: int, seed: int) -> dict:
 
 def engine_throughput(model, streams: int, gen_tokens: int, seed: int) -> dict:
     """decode_throughput's measure with the engine alone: the same prompts prefilled in one
-    step, then gen_tokens - 1 greedy decode steps timed, on a thread of its own that exits
-    after (a thread that has run a parallel kernel keeps an OpenMP team while it lives, and a
-    second team beside a runner's makes libgomp stop spinning at barriers once the process
-    has more threads than cores: every runner measured after would be slowed)."""
-    return run_in_thread(_engine_throughput, model, streams, gen_tokens, seed)
-
-
-def _engine_throughput(model, streams: int, gen_tokens: int, seed: int) -> dict:
+    step, then gen_tokens - 1 greedy decode steps timed."""
     rng = np.random.default_rng(seed)
     V = model.config.vocab_size
     engine = model.engine

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from coli.config import ModelConfig
-from coli.engine import Engine, KVCache, kv_dtype
+from coli.engine import Engine, KVCache, kv_dtype, release_threads
 from coli.errors import InvalidRequestError, ModelLoadError
 from coli.models import build_model
 from coli.plan import check_before_load
@@ -222,29 +222,32 @@ class Model:
             cache = self.engine.new_cache(len(ids) + max_tokens)
         reuse = min(common_prefix(cache.tokens, ids), len(ids) - 1)  # recompute >= 1 token for its logits
         cache.truncate(reuse)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        for i in range(reuse, len(ids), PREFILL_CHUNK):
-            logits = self.engine.step([(cache, ids[i : i + PREFILL_CHUNK])])
-        generated: list[int] = []
-        while True:
-            tok = sampler.sample(logits[0], generated)
-            if tok in self.eos_ids:
-                break
-            generated.append(tok)
-            text, done = stops.push(detok.push(tok))
-            if text:
-                yield text
-            if done:
-                return
-            if len(generated) >= max_tokens:
-                break
-            logits = self.engine.step([(cache, [tok])])
-        text, _ = stops.push(detok.flush())
-        tail = text + stops.flush()
-        if self.weights is not None:
-            self.weights.flush()
-        if tail:
-            yield tail
+        try:
+            detok = IncrementalDetokenizer(self.tokenizer)
+            for i in range(reuse, len(ids), PREFILL_CHUNK):
+                logits = self.engine.step([(cache, ids[i : i + PREFILL_CHUNK])])
+            generated: list[int] = []
+            while True:
+                tok = sampler.sample(logits[0], generated)
+                if tok in self.eos_ids:
+                    break
+                generated.append(tok)
+                text, done = stops.push(detok.push(tok))
+                if text:
+                    yield text
+                if done:
+                    return
+                if len(generated) >= max_tokens:
+                    break
+                logits = self.engine.step([(cache, [tok])])
+            text, _ = stops.push(detok.flush())
+            tail = text + stops.flush()
+            if self.weights is not None:
+                self.weights.flush()
+            if tail:
+                yield tail
+        finally:  # retire this thread's OpenMP workers: a Runner's thread may compute next (coli.threads)
+            release_threads()
 
     def close(self) -> None:
         """Save the routing history and release files and I/O threads."""

@@ -334,6 +334,13 @@ class Engine:
         return {**tiers, "dense": self._dense_bytes}
 
 
+def release_threads() -> None:
+    """Retire the calling thread's OpenMP workers (the next kernel call starts fresh ones),
+    so that another thread computing next is the process's only team (coli.threads.ComputeThreads)."""
+    K.release_threads()
+    compute_threads.released()
+
+
 _ROW0 = np.zeros(1, np.intp)  # the logit row of a one-token step
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from coli._engine import kernels as K
-from coli.engine import Engine, KVCache, available_memory
+from coli.engine import Engine, KVCache, available_memory, release_threads
 from coli.errors import InvalidRequestError
 from coli.grammar import hook as grammar
 from coli.kv.format import Layout
@@ -156,10 +156,11 @@ class Runner:
         # speculative decoding (coli.speculate): drafts appended to decoding entries, verified in _step
         self.speculator = Speculator.create(self, speculative, draft_model)
         self._thread = threading.Thread(target=self._loop, name="coli-runner", daemon=True)
+        self._team = False  # the runner thread holds OpenMP workers (it has stepped since it last retired them)
         # The kernels run on the runner's thread from now on: retire the OpenMP workers this
         # thread started (loading runs kernels), or libgomp, counting more threads than cores,
         # stops spin-waiting between parallel regions and a decode step takes twice as long.
-        K.release_threads()
+        release_threads()
         self._thread.start()
 
     # -- the front-end API -----------------------------------------------------------------------
@@ -367,8 +368,14 @@ class Runner:
                     if sched.closed:
                         self._save_released()  # (the slots close() just freed)
                         return
+                    if self._team:  # out of work: retire this thread's OpenMP workers while idle, so
+                        # another thread computing meanwhile (a second runner, Model.generate) is the
+                        # only team and keeps spinning (coli.threads.ComputeThreads); ~0.1 ms to restart
+                        release_threads()
+                        self._team = False
                     sched.wait_for_work(timeout=1.0)
                     continue
+                self._team = True
                 with batched_delivery():  # the step's events wake each asyncio loop once, after it
                     try:
                         ended = self._step(plan)

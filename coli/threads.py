@@ -168,23 +168,31 @@ class ThreadGovernor:
 
 
 class ComputeThreads:
-    """Which threads of this process have run the engine, and one warning when a second
-    one does while the first still lives.
+    """Which threads of this process hold OpenMP teams from running the engine, and one
+    warning when a second one computes while another's team lives.
 
-    A thread that has run a parallel kernel keeps its own OpenMP team of worker threads for
-    as long as it lives. With two such threads, a process whose kernel threads fill its cores
-    has more OpenMP threads than CPUs, and libgomp then stops spinning at its barriers: every
-    parallel region (about 150 a token) pays a futex wake instead. Measured at 2 threads on 2
-    cores, SmolLM2-135M int8 decode ran 2-3.5x slower through a Runner once another thread
-    (a second Runner, or ``Model.generate`` on the main thread) had run the model. The fix is
-    the caller's (run the model from one thread, e.g. submit everything to one Runner, or let
-    the other thread end), so this only says so, once per process."""
+    A thread that has run a parallel kernel keeps its own OpenMP team of worker threads until
+    it ends or retires them (``kernels.release_threads``). With two such teams, a process whose
+    kernel threads fill its cores has more OpenMP threads than CPUs, and libgomp then stops
+    spinning at its barriers: every parallel region (about 150 a token) pays a futex wake
+    instead. Measured at 2 threads on 2 cores, SmolLM2-135M int8 decode through a Runner ran
+    2-3.5x slower while another live thread's team was there. So the Runner retires the
+    constructing thread's workers when it starts, and its own whenever it runs out of work,
+    and ``Model.generate`` retires the caller's when it ends (``released``); what is left, a
+    thread computing while another computes, is said once per process."""
 
     def __init__(self, warn: Callable[[str], None] | None = None):
         self._last = None  # the thread of the last step (a threading.Thread)
         self._seen: list = []  # threads that have run a step, still alive when last looked
         self.warned = False
         self._warn = warn
+
+    def released(self) -> None:
+        """The calling thread has just retired its OpenMP workers (kernels.release_threads)."""
+        t = threading.current_thread()
+        self._seen = [s for s in self._seen if s is not t]
+        if self._last is t:
+            self._last = None
 
     def note(self, threads: int) -> None:
         """Called at each step with the kernel thread count: cheap when the thread is the last one."""
@@ -203,35 +211,14 @@ class ComputeThreads:
         if 1 + len(self._seen) * (threads - 1) > cpus:
             self.warned = True
             others = ", ".join(f"{s.name!r} ({s.native_id})" for s in self._seen[:-1])
-            msg = (f"coli: thread {t.name!r} ({t.native_id}) runs the model while {others}, which ran it, "
-                   f"still lives: each keeps an OpenMP team of {threads} threads, and with more of them than "
-                   f"cores ({cpus}) every kernel barrier sleeps instead of spinning (2-3x slower decode); run the "
-                   "model from one thread (one Runner) or let the other end")
+            msg = (f"coli: thread {t.name!r} ({t.native_id}) runs the model while {others} holds the OpenMP "
+                   f"threads it ran it with: with more of them than cores ({cpus}) every kernel barrier sleeps "
+                   "instead of spinning (2-3x slower decode); run the model from one thread (submit everything "
+                   "to one Runner), or call coli._engine.kernels.release_threads() on the other when it is done")
             if self._warn is not None:
                 self._warn(msg)
             else:
                 warnings.warn(msg, RuntimeWarning, stacklevel=4)
-
-
-def run_in_thread(fn: Callable, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread of its own that ends with it, its result returned and
-    its exception raised here: for running the model before a Runner does in one process
-    (the ended thread's OpenMP team ends too, see ComputeThreads)."""
-    out: list = []
-
-    def target():
-        try:
-            out.append((True, fn(*args, **kwargs)))
-        except BaseException as e:  # noqa: BLE001 (raised in the caller)
-            out.append((False, e))
-
-    t = threading.Thread(target=target, name="coli-compute", daemon=True)
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
 
 
 compute_threads = ComputeThreads()  # the process's own (engines share the OpenMP runtime)

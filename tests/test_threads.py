@@ -293,6 +293,42 @@ def test_the_engine_reports_a_second_compute_thread(tiny, monkeypatch):
         assert said == []
 
 
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_an_idle_runner_and_a_finished_generate_retire_their_openmp_workers(tiny, monkeypatch):
+    """Two live runners of one model, used in turn, and Model.generate on the main thread
+    before them: each retires its OpenMP workers when it is done, so the thread computing next
+    is the only team (no second one, no warning), and the workers' threads are gone."""
+    if not K.has_openmp():
+        pytest.skip("this build has no OpenMP (single-threaded kernels)")
+    from coli.runner import Runner
+    import coli.engine as E
+
+    said: list[str] = []
+    monkeypatch.setattr(E, "compute_threads", ComputeThreads(warn=said.append))
+    m = coli.load(tiny, threads=2)
+    assert "".join(m.generate("hello", max_tokens=4, temperature=0)) is not None  # main thread, then retired
+    ids = m.tokenizer.encode("the quick brown fox")
+    with Runner(m, persist=False) as r1, Runner(m, persist=False) as r2:
+        for r in (r1, r2, r1, r2):
+            r.submit(ids, max_tokens=6).result(60)
+            deadline = time.monotonic() + 10
+            while r._team and time.monotonic() < deadline:  # until its loop finds no work and retires them
+                time.sleep(0.005)
+            assert not r._team
+        idle = _tasks()
+        r1.submit(ids, max_tokens=6).result(60)  # a fresh worker for the step ...
+        deadline = time.monotonic() + 10
+        while (r1._team or _tasks() > idle) and time.monotonic() < deadline:  # ... retired again (it ends a moment later)
+            time.sleep(0.01)
+        assert _tasks() == idle
+    assert said == []
+    m.close()
+
+
 def _pin_every_thread(cpus) -> None:
     """sched_setaffinity(0) pins only the calling thread (and threads it starts later)."""
     for tid in os.listdir("/proc/self/task"):

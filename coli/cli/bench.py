@@ -88,13 +88,8 @@ def bench(
         return _constrained(m, label, schema, batch, gen_tokens, repeats, as_json)
     spec = None
     try:
-        kw = dict(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label, decode=decode)
-        if speculative is None:
-            res = B.run(m, **kw)
-        else:  # the engine's own run on a thread that ends before the runner's starts (coli.threads.ComputeThreads)
-            from coli.threads import run_in_thread
-
-            res = run_in_thread(B.run, m, **kw)
+        res = B.run(m, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, label=label,
+                    decode=decode)
         if speculative is not None:
             spec = _speculative(m, speculative, draft_model, prompt_tokens, gen_tokens, repeats)
     finally:
