@@ -4,6 +4,7 @@ arrive in order through both the blocking and the asyncio interfaces."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -196,14 +197,24 @@ def test_batched_greedy_picks_equal_each_samplers_own(model, runner, monkeypatch
     assert biased[3] != fast[3] and biased[:3] == fast[:3] == mixed[:3]
 
 
-def test_refusals_are_raised_at_submit(model, runner):
+def test_refusals_are_raised_at_submit(model, runner, monkeypatch):
     r = runner(kv_slots=1, max_queue=0, ctx=16)
     with pytest.raises(ContextLengthExceededError):
         r.submit(list(range(1, 17)))
+    gate, step = threading.Event(), r.engine.step
+
+    def held(*a, **kw):  # the request below holds the only slot until the refusal is checked
+        gate.wait(WAIT)  # (its 14 tokens would otherwise take the tiny model a few ms)
+        return step(*a, **kw)
+
+    monkeypatch.setattr(r.engine, "step", held)
     h = r.submit(ids(model, "w1 w2"), max_tokens=100, sampling=SamplingParams(temperature=0))
     assert next(h.events(WAIT)).max_tokens == 14  # clamped to the context
-    with pytest.raises(QueueFullError):
-        r.submit(ids(model, "w3"), cache_slot=0)
+    try:
+        with pytest.raises(QueueFullError):
+            r.submit(ids(model, "w3"), cache_slot=0)
+    finally:
+        gate.set()
     h.cancel()
 
 
