@@ -14,7 +14,6 @@ each ``K.*`` kernel (every call wrapped and timed, as ``profile_decode.py`` does
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
@@ -26,7 +25,7 @@ import coli
 from coli._engine import kernels as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_decode import KERNELS  # noqa: E402
+from profile_decode import kernels_timed  # noqa: E402
 
 
 def step_costs(eng, cache, base: int, ms: list[int], rounds: int, tries: int, clock) -> dict[int, float]:
@@ -44,28 +43,12 @@ def step_costs(eng, cache, base: int, ms: list[int], rounds: int, tries: int, cl
 
 
 def per_kernel(eng, cache, base: int, m: int, n: int, clock) -> tuple[float, dict[str, float]]:
-    tot: dict[str, float] = collections.defaultdict(float)
-    orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
-
-    def wrap(name, f):
-        def timed(*a, **kw):
-            t0 = clock()
-            r = f(*a, **kw)
-            tot[name] += clock() - t0
-            return r
-        return timed
-
-    for k, f in orig.items():
-        setattr(K, k, wrap(k, f))
-    try:
+    with kernels_timed(clock) as (tot, _):
         t0 = clock()
         for _ in range(n):
             eng.step([(cache, [5] * m)], all_logits=True)
             cache.truncate(base)
         step = (clock() - t0) / n
-    finally:
-        for k, f in orig.items():
-            setattr(K, k, f)
     return step, {k: v / n for k, v in sorted(tot.items(), key=lambda kv: -kv[1])}
 
 

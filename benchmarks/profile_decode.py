@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import time
 
@@ -45,7 +46,10 @@ def decode(eng, caches, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def per_kernel(eng, caches, n: int, clock) -> tuple[dict, collections.Counter, float]:
+@contextlib.contextmanager
+def kernels_timed(clock):
+    """Every K.* kernel of KERNELS wrapped and timed by ``clock`` while inside: yields
+    (seconds by kernel, calls by kernel), filled in as the calls happen."""
     tot: dict[str, float] = collections.defaultdict(float)
     cnt: collections.Counter = collections.Counter()
     orig = {k: getattr(K, k) for k in KERNELS if hasattr(K, k)}
@@ -61,13 +65,19 @@ def per_kernel(eng, caches, n: int, clock) -> tuple[dict, collections.Counter, f
 
     for k, f in orig.items():
         setattr(K, k, wrap(k, f))
-    t0 = clock()
     try:
-        decode(eng, caches, n)
+        yield tot, cnt
     finally:
         for k, f in orig.items():
             setattr(K, k, f)
-    return tot, cnt, (clock() - t0) / n
+
+
+def per_kernel(eng, caches, n: int, clock) -> tuple[dict, collections.Counter, float]:
+    with kernels_timed(clock) as (tot, cnt):
+        t0 = clock()
+        decode(eng, caches, n)
+        seconds = (clock() - t0) / n
+    return tot, cnt, seconds
 
 
 def wiring(eng, caches, n: int) -> float:
