@@ -44,11 +44,11 @@ def compare(model, prompts: Sequence[Sequence[int]], mode: str = "auto", *, max_
 
     runs = {"off": [], "on": []}
     texts = {"off": [], "on": []}
-    # One runner, speculation switched off per request for the baseline: two runners would
-    # be two compute threads, each keeping an OpenMP team, and with two teams in a process
-    # whose threads fill its cores libgomp stops spinning at barriers (more threads than
-    # CPUs) and every parallel region pays a futex wake: decode measured 2-3.5x slower that
-    # way at 2 threads on 2 cores, and the speed-up inflated.
+    # One runner, speculation switched off per request for the baseline (one cost model, one
+    # compute thread). Two live runners, each keeping an OpenMP team, once made both sides
+    # 2-3.5x slower at 2 threads on 2 cores and inflated the speed-up (libgomp sleeps at its
+    # barriers while its threads outnumber the cores); runners now retire their workers when
+    # idle (coli.threads.ComputeThreads), but one runner needs no such care.
     with Runner(model, persist=False, speculative=mode, draft_model=draft_model) as runner:
         _one(runner, list(prompts[0]), 4, "off")
         _one(runner, list(prompts[0]), 4)
