@@ -310,7 +310,8 @@ def test_an_idle_runner_and_a_finished_generate_retire_their_openmp_workers(tiny
     said: list[str] = []
     monkeypatch.setattr(E, "compute_threads", ComputeThreads(warn=said.append))
     m = coli.load(tiny, threads=2)
-    assert "".join(m.generate("hello", max_tokens=4, temperature=0)) is not None  # main thread, then retired
+    for _ in m.generate("hello", max_tokens=4, temperature=0):  # on the main thread, which retires its workers after
+        pass
     ids = m.tokenizer.encode("the quick brown fox")
     with Runner(m, persist=False) as r1, Runner(m, persist=False) as r2:
         for r in (r1, r2, r1, r2):
