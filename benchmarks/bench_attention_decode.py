@@ -3,6 +3,7 @@ come from L3 / DRAM (as in a decode step, whose weights went through the caches 
 layer last read them) and when they sit in L1 / L2.
 
     python benchmarks/bench_attention_decode.py --threads 1 --pos 136
+    python benchmarks/bench_attention_decode.py --threads 1 --pos 136 --half   # an f16 cache, the default
 
 Shape: SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64, 30 layers). Cold: the 30 layers'
 caches attended in turn, ``--evict`` MB walked between passes; hot: one cache, again and
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--evict", type=int, default=64, help="MB read between cold passes")
     ap.add_argument("--passes", type=int, default=40)
+    ap.add_argument("--half", action="store_true", help="an f16 cache (the engine's default) instead of float32")
     ap.add_argument("--offset", type=int, default=0, help="floats past a 64-byte boundary the caches start")
     a = ap.parse_args()
     K.set_num_threads(a.threads)
@@ -41,8 +43,9 @@ def main() -> None:
     cap = a.pos + 1
 
     def cache():  # (cap, nkv*hd), a.offset floats past a 64-byte boundary
-        raw = np.empty(cap * nkv * hd + 32, np.float32)
-        s = (-(raw.ctypes.data // 4)) % 16 + a.offset % 16
+        dt = np.float16 if a.half else np.float32
+        raw = np.empty(cap * nkv * hd + 64, dt)
+        s = (-(raw.ctypes.data // raw.itemsize)) % (64 // raw.itemsize) + a.offset % 16
         c = raw[s : s + cap * nkv * hd].reshape(cap, nkv * hd)
         c[:] = rng.standard_normal(c.shape)
         return c
@@ -55,7 +58,7 @@ def main() -> None:
     evict = np.ones(a.evict << 20, np.int8)
 
     def call(kp, vp):
-        K.attention(q, kp, vp, pos, out, nh, nkv, hd, hd, hd ** -0.5)
+        K.attention(q, kp, vp, pos, out, nh, nkv, hd, hd, hd ** -0.5, half=a.half)
 
     cold, hot, cold_cpu, hot_cpu = [], [], [], []
     for _ in range(a.passes):

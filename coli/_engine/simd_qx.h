@@ -267,6 +267,21 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
     __m128i r23 = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(m, d + 2 * ldd + g0), _mm_maskz_loadu_epi16(m, d + 3 * ldd + g0));
     return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(r01), r23, 1)));
 }
+/* Each int32 lane's sum over the 8 weight vectors w[q] (unsigned nibbles) times the token's
+ * arranged activations at o + 64q: two chains of 4 vpdpbusd added at the end (integer sums,
+ * exact in any order: the same result as one chain), so a step's 8 multiply-adds are not one
+ * chain of 8 latencies. With one token the tiles are compute-bound from L2: a 4608 x 576
+ * int4 matrix, cache-hot, 1 thread, 8-9% faster than one chain (BENCHMARKS.md). */
+static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
+    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o));
+    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_load_si512((const void *)(o + 64)));
+    for (int q = 2; q < 8; q += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, w[q], _mm512_load_si512((const void *)(o + q * 64)));
+        d1 = _mm512_dpbusd_epi32(d1, w[q + 1], _mm512_load_si512((const void *)(o + (q + 1) * 64)));
+    }
+    return _mm512_add_epi32(d0, d1);
+}
+
 /* One step of the Q4 / Q4A interleaved tile: groups b .. b + n - 1 (n = 4, or fewer with
  * MASKED) of the 4 rows against every token's arranged activations. */
 #define COLI_Q4XSTEP(MR, ASYM, MASKED, n)                                                          \
@@ -284,9 +299,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
         __m512 wmn = ASYM ? coli_xt_scales4(wm, ldd, b, n) : ws;                                   \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64);                    \
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o)); \
-            for (int p = 1; p < 8; p++)                                                            \
-                d = _mm512_dpbusd_epi32(d, w[p], _mm512_load_si512((const void *)(o + p * 64)));   \
+            __m512i d = coli_q4x_dot8_512(w, o);                                                   \
             if (!ASYM) d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 9 * 64)));     \
             __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 8 * 64)));            \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
@@ -351,9 +364,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
                                                              : _mm256_loadu_si256((const __m256i *)(const void *)(p + 288))); \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64);                    \
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o)); \
-            for (int q = 1; q < 8; q++)                                                            \
-                d = _mm512_dpbusd_epi32(d, w[q], _mm512_load_si512((const void *)(o + q * 64)));   \
+            __m512i d = coli_q4x_dot8_512(w, o);                                                   \
             if (!ASYM) d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 9 * 64)));     \
             __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 8 * 64)));            \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
@@ -461,11 +472,14 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
  * added in int16 (16 products of at most 15 x 127 a lane: exact) and one vpmaddwd; the same
  * integers either way. */
 static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
-#if defined(__AVXVNNI__)
-    __m256i d = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], _mm256_load_si256((const __m256i *)(const void *)o));
-    for (int q = 1; q < 8; q++)
-        d = _mm256_dpbusd_avx_epi32(d, w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64)));
-    return d;
+#if defined(__AVXVNNI__) /* two chains of 4, as on AVX-512 VNNI (coli_q4x_dot8_512) */
+    __m256i d0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], _mm256_load_si256((const __m256i *)(const void *)o));
+    __m256i d1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[1], _mm256_load_si256((const __m256i *)(const void *)(o + 64)));
+    for (int q = 2; q < 8; q += 2) {
+        d0 = _mm256_dpbusd_avx_epi32(d0, w[q], _mm256_load_si256((const __m256i *)(const void *)(o + q * 64)));
+        d1 = _mm256_dpbusd_avx_epi32(d1, w[q + 1], _mm256_load_si256((const __m256i *)(const void *)(o + (q + 1) * 64)));
+    }
+    return _mm256_add_epi32(d0, d1);
 #else
     __m256i s = _mm256_maddubs_epi16(w[0], _mm256_load_si256((const __m256i *)(const void *)o));
     for (int q = 1; q < 8; q++)
