@@ -271,7 +271,7 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
  * arranged activations at o + 64q: two chains of 4 vpdpbusd added at the end (integer sums,
  * exact in any order: the same result as one chain), so a step's 8 multiply-adds are not one
  * chain of 8 latencies. With one token the tiles are compute-bound from L2: a 4608 x 576
- * int4 matrix, cache-hot, 1 thread, 8-9% faster than one chain (BENCHMARKS.md). */
+ * int4 matrix, cache-hot, 1 thread, 6-9% faster than one chain (BENCHMARKS.md). */
 static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
     __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o));
     __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_load_si512((const void *)(o + 64)));
