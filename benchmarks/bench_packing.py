@@ -13,8 +13,11 @@ same cache pressure: on a shared machine the speed of one setting drifts by 20% 
 to minute, far more than the difference measured. Reported: the median step of each and
 the ratio; then, with --kernels, one qlinear call per shape of a 576-wide model at 1..8
 tokens with the matrix in cache (the compute alone). Needs a path with packed tiles for
---format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX2; COLI_SIMD=avx2 forces AVX2). Both
-models stay loaded for the decode and the prefill steps.
+--format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX2; COLI_SIMD=avx2 forces AVX2), or a
+kernel that gives transparent huge pages: then COLI_PACK=1 holds the rows of the matrices a
+path does not pack (int8 on AVX-512) in huge pages, COLI_PACK=0 reads them from the
+checkpoint's mapping, and the decode and prefill steps compare those. Both models stay
+loaded for the decode and the prefill steps.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import coli  # noqa: E402
 from coli import synthetic  # noqa: E402
 from coli._engine import kernels as K  # noqa: E402
 from coli.quant import quantize  # noqa: E402
+from coli.weights.packing import huge_pages  # noqa: E402
 
 
 def _load(path: str, threads: int, pack: bool):
@@ -126,9 +130,14 @@ def main() -> None:
                     help="also time prefill steps of N tokens (alternated, 20 rounds)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if quantize(np.ones((4, 32), np.float32), a.format).packed_bytes == 0:
+    tiles = quantize(np.ones((4, 32), np.float32), a.format).packed_bytes > 0
+    if not tiles and not huge_pages():
         sys.exit(f"bench_packing: the {K.simd_name()} path has no packed {a.format} tiles "
-                 f"({'AVX2 has' if a.format == 'int8' else 'AVX-512 VNNI and AVX2 have'})")
+                 f"({'AVX2 has' if a.format == 'int8' else 'AVX-512 VNNI and AVX2 have'}) and this kernel "
+                 "gives no transparent huge pages to move the rows into")
+    if a.kernels and not tiles:
+        sys.exit("bench_packing: --kernels times the packed tiles, which this path does not have for "
+                 f"{a.format} (its decode steps compare mapped rows with rows moved into huge pages)")
     tmp = None
     path = a.model
     if a.synthetic:

@@ -116,8 +116,18 @@ def test_api_raises_typed_errors(model_copy):
         m.forward([10**6])
 
 
-def test_load_does_not_copy_f32_weights(model_copy):
-    """f32 tensors are views of the mapped file, not copies."""
-    m = coli.load(model_copy)
-    q = m.engine.model.layers[0].attn.q_proj.mat.data
-    assert not q.flags.owndata and not q.flags.writeable
+def test_load_does_not_copy_f32_weights(model_copy, monkeypatch):
+    """f32 tensors are views of the mapped file, not copies; where the kernel gives huge
+    pages the dense ones are then moved, once, into the huge-page buffer (and the file's
+    pages unmapped), never held twice."""
+    from coli.weights.packing import _in_huge_buffer, _mapped_file, huge_pages
+
+    monkeypatch.setenv("COLI_PACK", "0")
+    q = coli.load(model_copy).engine.model.layers[0].attn.q_proj.mat.data
+    assert not q.flags.owndata and not q.flags.writeable and _mapped_file(q) is not None
+    monkeypatch.delenv("COLI_PACK")
+    mat = coli.load(model_copy).engine.model.layers[0].attn.q_proj.mat
+    if huge_pages():
+        assert _in_huge_buffer(mat) and _mapped_file(mat.data) is None
+    else:
+        assert _mapped_file(mat.data) is not None

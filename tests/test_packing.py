@@ -211,6 +211,97 @@ def test_the_huge_page_arena_is_aligned_and_zeroed():
     buf[-1] = 7  # writable
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4s", "int4"])
+@pytest.mark.parametrize("rows,cols", [(37, 576), (19, 33), (8, 64)])
+def test_rows_moved_into_a_buffer_keep_their_values_and_results(fmt, rows, cols):
+    """QMatrix.move_rows: the row arrays copied whole into the caller's buffer, each on a
+    64-byte boundary; the values and every kernel's results (one token, a batch, the
+    embedding rows) the very bits they were."""
+    rng = np.random.default_rng(rows + cols)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.2, 3, (rows, 1))).astype(np.float32)
+    a, b = quantize(w, fmt), quantize(w, fmt)
+    if b.packed_bytes:  # a path that repacks this format holds tiles, not rows, at load
+        assert b.pack()
+        with pytest.raises(ValueError, match="packed"):
+            b.move_rows(np.zeros(64, np.uint8))
+        return
+    n = b.rows_bytes
+    assert n == sum(-(-x.nbytes // 64) * 64 for x in a.arrays() if x is not None)
+    raw = np.zeros(n + 128, np.uint8)
+    start = -raw.ctypes.data % 64
+    with pytest.raises(ValueError, match="64-byte boundary"):
+        b.move_rows(raw[start + 1: start + 1 + n])
+    with pytest.raises(ValueError, match=f"{n} contiguous uint8 bytes"):
+        b.move_rows(raw[start: start + n - 64])
+    buf = raw[start: start + n]
+    b.move_rows(buf)
+    for x, y in zip(a.arrays(), b.arrays()):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8)) and np.shares_memory(y, buf)
+            assert y.ctypes.data % 64 == 0
+    for M in (1, 3, 9):
+        x = rng.standard_normal((M, cols)).astype(np.float32)
+        ya, yb = np.empty((M, rows), np.float32), np.empty((M, rows), np.float32)
+        K.qlinear(x, a, ya, None, *_scratch(M, cols))
+        K.qlinear(x, b, yb, None, *_scratch(M, cols))
+        np.testing.assert_array_equal(yb, ya)
+    ids = np.array([0, rows - 1, rows // 2], np.int32)
+    ea, eb = np.empty((3, cols), np.float32), np.empty((3, cols), np.float32)
+    K.embed_rows(ids, a, ea)
+    K.embed_rows(ids, b, eb)
+    np.testing.assert_array_equal(eb, ea)
+    buf[:] = 0  # the matrix reads the buffer, nothing else
+    assert not K.embed_rows(ids, b, eb) and not eb.any()
+
+
+def test_an_experts_rows_are_not_moved():
+    rng = np.random.default_rng(6)
+    gate, up = (quantize(rng.standard_normal((8, 64)).astype(np.float32), "f32") for _ in range(2))
+    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "f32")
+    table = K.ExpertTable(1, 64, 8, K.FORMATS["f32"])
+    table.set(0, gate, up, down)
+    with pytest.raises(ValueError, match="ExpertTable"):
+        gate.move_rows(np.zeros(gate.rows_bytes, np.uint8))
+
+
+@pytest.mark.parametrize("quant", ["f32", "int8", "int4"])
+def test_rows_a_path_keeps_move_into_the_huge_page_arena_with_the_same_logits(odd_llama, monkeypatch, quant):
+    """pack_dense: the dense matrices this path computes on as rows (with huge pages) move into
+    the arena beside the packed ones, out of the checkpoint's mapping, and the logits keep
+    their bits; a second call finds nothing to do; without huge pages the rows stay."""
+    from coli.weights.packing import _in_huge_buffer, _mapped_file
+
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(odd_llama, threads=2, quant=quant)
+    mats = dense_matrices(rows.engine.model)
+    assert not any(m.packed or _in_huge_buffer(m) for m in mats)
+    monkeypatch.delenv("COLI_PACK")
+    tiles = sum(m.packed_bytes for m in mats)
+    assert pack_dense(rows.engine.model, huge=False) == tiles
+    assert not any(_in_huge_buffer(m) for m in mats)
+    want = _steps(rows)  # (tiles may sum in another order than rows: compared above)
+    kept = [m for m in mats if not m.packed]
+    assert pack_dense(rows.engine.model, huge=True) == sum(m.rows_bytes for m in kept)
+    assert all(_in_huge_buffer(m) and _mapped_file(m.arrays()[0]) is None for m in kept)
+    assert pack_dense(rows.engine.model, huge=True) == 0
+    for r, p in zip(want, _steps(rows)):
+        np.testing.assert_array_equal(p, r)
+
+
+def test_a_converted_models_head_leaves_the_file_mapping_where_huge_pages_are(tmp_path):
+    """Loaded as a user loads it: every dense matrix in tiles or in the arena, none read
+    from the checkpoint's 4 KB pages (where the kernel gives huge pages)."""
+    from coli.weights.packing import _in_huge_buffer, huge_pages
+
+    if not huge_pages():
+        pytest.skip("this kernel gives no transparent huge pages (the rows stay in the file mapping)")
+    d = synthetic.write_converted("tiny", tmp_path / "tiny-int8", "int8", seed=2)
+    m = coli.load(d, threads=2)
+    mats = dense_matrices(m.engine.model)
+    assert mats and all(x.packed or _in_huge_buffer(x) for x in mats)
+
+
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
     """A seeded llama whose projections have rows and columns that are no multiple of 4 / 128."""

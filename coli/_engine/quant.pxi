@@ -145,6 +145,44 @@ cdef class QMatrix:
         self.m.pks = coli_q8x_tile_bytes(self.cols) if q8 else coli_q4x_tile_bytes(self.fmt, self.cols)
         return True
 
+    @property
+    def rows_bytes(self):
+        """Bytes ``move_rows`` needs: each row array on a 64-byte boundary (0 when packed)."""
+        if self._packed is not None:
+            return 0
+        return sum(-(-a.nbytes // 64) * 64 for a in (self._data, self._scales, self._mins) if a is not None)
+
+    def move_rows(self, out):
+        """Hold the row arrays (data, scales, mins) in ``out`` instead: a uint8 array of
+        ``rows_bytes`` on a 64-byte boundary, which the matrix then keeps alive, each array
+        copied whole to its own 64-byte boundary (the very values, read by the same kernels).
+        For the rows a path computes on as they are (a repacked matrix holds tiles instead):
+        a buffer of transparent huge pages streams them faster than a file mapping's 4 KB
+        pages do (coli.weights.packing). Refused for a packed matrix and for an expert of an
+        ExpertTable (the table holds the old pointers)."""
+        if self._packed is not None:
+            raise ValueError("QMatrix.move_rows: the matrix is packed (it holds tiles, not rows)")
+        if self.in_table:
+            raise ValueError("QMatrix.move_rows: the matrix is an expert of an ExpertTable, which reads its rows")
+        cdef long size = self.rows_bytes
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.nbytes != size
+                or not out.flags.c_contiguous or out.ctypes.data % 64):
+            raise ValueError(f"QMatrix.move_rows: out must be {size} contiguous uint8 bytes on a 64-byte boundary")
+        moved = []
+        cdef long off = 0
+        for a in (self._data, self._scales, self._mins):
+            if a is None:
+                moved.append(None)
+                continue
+            b = out[off: off + a.nbytes].view(a.dtype).reshape(a.shape)
+            b[...] = a
+            moved.append(b)
+            off += -(-a.nbytes // 64) * 64
+        self._data, self._scales, self._mins = moved
+        self.m.w = <const void *><size_t>self._data.ctypes.data
+        self.m.d = <const uint16_t *><size_t>self._scales.ctypes.data if self._scales is not None else NULL
+        self.m.m = <const uint16_t *><size_t>self._mins.ctypes.data if self._mins is not None else NULL
+
     def _unpacked(self):
         """The row arrays (data, scales, mins) of a packed matrix, unpacked afresh."""
         cdef int kp = padded(self.cols)

@@ -10,14 +10,20 @@ or in a batch.
 Only the matrices every decode step reads are packed: attention, dense and shared-expert
 MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
 cache slots, which read rows). All packed matrices of a model share one buffer, asked
-of the kernel for transparent huge pages, as the page cache already gives a mapped
-checkpoint here: on 4 KB pages the same tiles decoded slower than the rows did.
+of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
+the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512,
+f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
+moved into that buffer too where the kernel gives huge pages (Linux with transparent huge
+pages not set to ``never``): a mapped checkpoint's 4 KB pages cost a TLB miss and a stop of
+the hardware prefetcher every 4 KB, and SmolLM2-135M's int8 head read from them at 6.5 GB/s
+on one AVX-512 core where the same rows in huge pages read at 8.6 (BENCHMARKS.md).
 
-``COLI_PACK=0`` keeps every matrix in rows.
+``COLI_PACK=0`` keeps every matrix in rows, where it was loaded.
 """
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import numpy as np
 
@@ -25,6 +31,7 @@ from coli.config import env_switch
 
 ENV = "COLI_PACK"
 HUGE = 2 << 20  # transparent huge page size on x86-64
+_ARENAS: weakref.WeakSet = weakref.WeakSet()  # the mappings huge_buffer made (and still alive)
 
 
 def huge_buffer(size: int) -> np.ndarray:
@@ -36,9 +43,21 @@ def huge_buffer(size: int) -> np.ndarray:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without THP: plain pages
             pass
+    _ARENAS.add(mm)
     raw = np.frombuffer(mm, np.uint8)  # keeps the mapping alive
     off = -raw.ctypes.data % HUGE
     return raw[off: off + size]
+
+
+def huge_pages() -> bool:
+    """Whether anonymous memory advised with MADV_HUGEPAGE gets transparent huge pages here."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 def dense_matrices(model) -> list:
@@ -67,13 +86,16 @@ def dense_matrices(model) -> list:
 
 
 def _mapped_file(a: np.ndarray):
-    """The read-only file mapping (an np.memmap's mmap) that array ``a`` views, or None."""
+    """The read-only file mapping that array ``a`` views (an np.memmap's mmap, or an mmap
+    opened for reading that the array was made from, as a safetensors checkpoint's), or None."""
     b = a
     while isinstance(b, np.ndarray):
         mm = getattr(b, "_mmap", None) if isinstance(b, np.memmap) else None
         if mm is not None:
             return mm
         b = b.base
+    if isinstance(b, memoryview) and b.readonly and isinstance(b.obj, mmap.mmap) and b.obj not in _ARENAS:
+        return b.obj  # (an anonymous mapping is never read-only: this one is a file's)
     return None
 
 
@@ -102,24 +124,58 @@ def drop_file_pages(arrays) -> int:
     return done
 
 
-def pack_dense(model, env=None) -> int:
-    """Pack the model's dense int4 / int8 matrices where this path has their tiles (unless
-    ``COLI_PACK=0``); returns the bytes packed."""
+def pack_dense(model, env=None, huge: bool | None = None) -> int:
+    """Pack the model's dense int4 / int8 matrices where this path has their tiles, and move
+    the rows of the others into the same huge-page buffer where the kernel gives huge pages
+    (``huge``: None asks :func:`huge_pages`) and they take at most half the available memory,
+    unless ``COLI_PACK=0``. Returns the bytes packed or moved (0 for a model already done)."""
     if not env_switch(ENV, env):
         return 0
-    mats = [(m, m.packed_bytes) for m in dense_matrices(model)]
-    mats = [(m, n) for m, n in mats if n]
+    if huge is None:
+        huge = huge_pages()
+    mats, moves = [], []
+    for m in dense_matrices(model):
+        if m.packed_bytes:
+            mats.append((m, m.packed_bytes, True))
+        elif huge and not m.packed and not m.in_table and not _in_huge_buffer(m):
+            moves.append((m, m.rows_bytes, False))
+    if moves and not _room_for(sum(n for _, n, _ in moves)):
+        moves = []  # rows that would crowd the memory stay in their (reclaimable) mapping
+    mats += moves
     if not mats:
         return 0
-    total = sum(-(-n // 64) * 64 for _, n in mats)  # each on a 64-byte boundary
+    total = sum(-(-n // 64) * 64 for _, n, _ in mats)  # each on a 64-byte boundary
     arena = huge_buffer(total)
     off, mapped = 0, []
-    for m, n in mats:
+    for m, n, tiles in mats:
         # a file's rows are kept as views until the end (a page fault maps the pages around it
-        # back in too); rows in anonymous memory are freed as each matrix is packed, so the
-        # load never holds all the rows and all the tiles at once
+        # back in too); rows in anonymous memory are freed as each matrix is packed or moved, so
+        # the load never holds all the rows twice
         mapped += [a for a in m.arrays() if a is not None and _mapped_file(a) is not None]
-        m.pack(arena[off: off + n])
+        if tiles:
+            m.pack(arena[off: off + n])
+        else:
+            m.move_rows(arena[off: off + n])
         off += -(-n // 64) * 64
     drop_file_pages(mapped)
-    return sum(n for _, n in mats)
+    return sum(n for _, n, _ in mats)
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether nbytes more of anonymous memory leave at least as much available (MemAvailable
+    counts the page cache a mapped checkpoint sits in, which the kernel can reclaim, where it
+    cannot take back moved rows without swap)."""
+    from coli.engine import available_memory
+
+    avail = available_memory()
+    return avail is None or 2 * nbytes <= avail
+
+
+def _in_huge_buffer(m) -> bool:
+    """Whether matrix m's rows already live in a buffer of :func:`huge_buffer`'s."""
+    b = m.arrays()[0]
+    while isinstance(b, np.ndarray):
+        b = b.base
+    if isinstance(b, memoryview):
+        b = b.obj
+    return isinstance(b, mmap.mmap) and b in _ARENAS
