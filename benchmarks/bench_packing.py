@@ -40,7 +40,18 @@ from coli.quant import quantize  # noqa: E402
 from coli.weights.packing import huge_pages  # noqa: E402
 
 
-def _load(path: str, threads: int, pack: bool):
+def _load(path: str, threads: int, pack: bool, moves_only: bool = False):
+    """The model with COLI_PACK=1 (pack) or 0; with moves_only both pack their tiles and only
+    the pack one moves the other dense rows into huge pages (the other reads them mapped)."""
+    if moves_only:
+        from coli.weights import packing
+
+        orig = packing.huge_pages
+        packing.huge_pages = (lambda: True) if pack else (lambda: False)
+        try:
+            return coli.load(path, threads=threads)
+        finally:
+            packing.huge_pages = orig
     os.environ["COLI_PACK"] = "1" if pack else "0"
     try:
         return coli.load(path, threads=threads)
@@ -128,13 +139,20 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="also time single qlinear calls in cache")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also time prefill steps of N tokens (alternated, 20 rounds)")
+    ap.add_argument("--moves", action="store_true",
+                    help="both settings pack their tiles; compare only the other dense rows mapped against "
+                         "moved into huge pages (needs transparent huge pages)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.moves and not huge_pages():
+        sys.exit("bench_packing: --moves needs transparent huge pages, which this kernel does not give")
     tiles = quantize(np.ones((4, 32), np.float32), a.format).packed_bytes > 0
-    if not tiles and not huge_pages():
+    if not tiles and not huge_pages() and not a.moves:
         sys.exit(f"bench_packing: the {K.simd_name()} path has no packed {a.format} tiles "
                  f"({'AVX2 has' if a.format == 'int8' else 'AVX-512 VNNI and AVX2 have'}) and this kernel "
                  "gives no transparent huge pages to move the rows into")
+    if a.kernels and a.moves:
+        sys.exit("bench_packing: --kernels times the packed tiles against rows, not where rows live (drop --moves)")
     if a.kernels and not tiles:
         sys.exit("bench_packing: --kernels times the packed tiles, which this path does not have for "
                  f"{a.format} (its decode steps compare mapped rows with rows moved into huge pages)")
@@ -146,8 +164,9 @@ def main() -> None:
     if not path:
         sys.exit("bench_packing: give -m MODEL or --synthetic NAME")
     os.environ.setdefault("COLI_ADAPTIVE_THREADS", "0")  # the same thread count all along
-    engines = {pack: _load(path, a.threads, pack).engine for pack in (False, True)}
-    res = dict(model=a.model or a.synthetic, format=a.format, simd=K.simd_name(), threads=a.threads, streams=a.streams,
+    engines = {pack: _load(path, a.threads, pack, a.moves).engine for pack in (False, True)}
+    res = dict(model=a.model or a.synthetic, format=a.format, moves=a.moves, simd=K.simd_name(), threads=a.threads,
+               streams=a.streams,
                steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
                decode=decode(engines, a.steps, a.prompt, a.streams))
     if a.prefill:
@@ -158,12 +177,13 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     d = res["decode"]
+    a_, b_ = ("mapped rows", "moved rows") if a.moves else ("rows", "packed")
     print(f"{res['model']} ({res['simd']}, {a.threads} threads, {a.streams} stream(s), load {res['load']:.1f}): "
-          f"median step rows {d['rows_ms']:.3f} ms, packed {d['packed_ms']:.3f} ms: {d['speedup']:.3f}x "
+          f"median step {a_} {d['rows_ms']:.3f} ms, {b_} {d['packed_ms']:.3f} ms: {d['speedup']:.3f}x "
           f"({d['tok_s_rows']:.1f} -> {d['tok_s_packed']:.1f} tok/s)")
     if "prefill" in res:
         f = res["prefill"]
-        print(f"  prefill of {f['tokens']} tokens: rows {f['rows_tok_s']:.0f} tok/s, packed {f['packed_tok_s']:.0f} tok/s: "
+        print(f"  prefill of {f['tokens']} tokens: {a_} {f['rows_tok_s']:.0f} tok/s, {b_} {f['packed_tok_s']:.0f} tok/s: "
               f"{f['speedup']:.3f}x")
     for k in res.get("kernels", []):
         print(f"  {k['shape']:>9} x {k['tokens']} tokens: rows {k['rows_us']:7.2f} us, packed {k['packed_us']:7.2f} us, "

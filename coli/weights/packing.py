@@ -14,9 +14,10 @@ of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded s
 the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512,
 f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
 moved into that buffer too where the kernel gives huge pages (Linux with transparent huge
-pages not set to ``never``): a mapped checkpoint's 4 KB pages cost a TLB miss and a stop of
-the hardware prefetcher every 4 KB, and SmolLM2-135M's int8 head read from them at 6.5 GB/s
-on one AVX-512 core where the same rows in huge pages read at 8.6 (BENCHMARKS.md).
+pages not set to ``never``) and they take at most half the available memory: a mapped
+checkpoint's 4 KB pages cost a TLB miss and a stop of the hardware prefetcher every 4 KB, and
+SmolLM2-135M's int8 head read from them at 6.5-7.5 GB/s on one AVX-512 core where the same
+rows in huge pages read at 8.6-10.7 (BENCHMARKS.md, "Rows in huge pages").
 
 ``COLI_PACK=0`` keeps every matrix in rows, where it was loaded.
 """
