@@ -37,26 +37,20 @@ import coli  # noqa: E402
 from coli import synthetic  # noqa: E402
 from coli._engine import kernels as K  # noqa: E402
 from coli.quant import quantize  # noqa: E402
-from coli.weights.packing import huge_pages  # noqa: E402
+from coli.weights.packing import huge_pages, pack_dense  # noqa: E402
 
 
 def _load(path: str, threads: int, pack: bool, moves_only: bool = False):
     """The model with COLI_PACK=1 (pack) or 0; with moves_only both pack their tiles and only
     the pack one moves the other dense rows into huge pages (the other reads them mapped)."""
-    if moves_only:
-        from coli.weights import packing
-
-        orig = packing.huge_pages
-        packing.huge_pages = (lambda: True) if pack else (lambda: False)
-        try:
-            return coli.load(path, threads=threads)
-        finally:
-            packing.huge_pages = orig
-    os.environ["COLI_PACK"] = "1" if pack else "0"
+    os.environ["COLI_PACK"] = "1" if pack and not moves_only else "0"
     try:
-        return coli.load(path, threads=threads)
+        model = coli.load(path, threads=threads)
     finally:
         os.environ.pop("COLI_PACK", None)
+    if moves_only:
+        pack_dense(model.engine.model, huge=pack)
+    return model
 
 
 def decode(engines: dict, steps: int, prompt: int, streams: int) -> dict:

@@ -43,6 +43,18 @@ def _scratch(M, cols):
     return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
 
 
+def _refuses_bad_buffers(put, n):
+    """put (QMatrix.pack or move_rows) refuses a buffer off a 64-byte boundary and one of the
+    wrong size; returns a right one, n zeroed bytes on a 64-byte boundary."""
+    raw = np.zeros(n + 128, np.uint8)
+    start = -raw.ctypes.data % 64
+    with pytest.raises(ValueError, match="64-byte boundary"):
+        put(raw[start + 1: start + 1 + n])
+    with pytest.raises(ValueError, match=f"{n} contiguous uint8 bytes"):
+        put(raw[start: start + n - 64])
+    return raw[start: start + n]
+
+
 def _pair(rng, rows, cols, fmt):
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0.2, 3, (rows, 1))).astype(np.float32)
     a, b = quantize(w, fmt), quantize(w, fmt)
@@ -183,15 +195,8 @@ def test_a_long_call_runs_in_chunks_of_tokens_with_the_same_bits():
 def test_pack_checks_its_buffer_and_experts_stay_in_rows():
     rng = np.random.default_rng(5)
     m = quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4")
-    n = m.packed_bytes
-    raw = np.zeros(n + 128, np.uint8)
-    start = -raw.ctypes.data % 64
-    with pytest.raises(ValueError, match="64-byte boundary"):
-        m.pack(raw[start + 1: start + 1 + n])
-    with pytest.raises(ValueError, match=f"{n} contiguous uint8 bytes"):
-        m.pack(raw[start: start + n - 64])
+    buf = _refuses_bad_buffers(m.pack, m.packed_bytes)
     assert not m.packed
-    buf = raw[start: start + n]
     assert m.pack(buf) and m.packed and m.packed_bytes == 0 and not m.pack()
     assert buf.any()  # it lives in the caller's buffer
     table = K.ExpertTable(1, 64, 8, K.FORMATS["int4"])
@@ -225,15 +230,8 @@ def test_rows_moved_into_a_buffer_keep_their_values_and_results(fmt, rows, cols)
         with pytest.raises(ValueError, match="packed"):
             b.move_rows(np.zeros(64, np.uint8))
         return
-    n = b.rows_bytes
-    assert n == sum(-(-x.nbytes // 64) * 64 for x in a.arrays() if x is not None)
-    raw = np.zeros(n + 128, np.uint8)
-    start = -raw.ctypes.data % 64
-    with pytest.raises(ValueError, match="64-byte boundary"):
-        b.move_rows(raw[start + 1: start + 1 + n])
-    with pytest.raises(ValueError, match=f"{n} contiguous uint8 bytes"):
-        b.move_rows(raw[start: start + n - 64])
-    buf = raw[start: start + n]
+    assert b.rows_bytes == sum(-(-x.nbytes // 64) * 64 for x in a.arrays() if x is not None)
+    buf = _refuses_bad_buffers(b.move_rows, b.rows_bytes)
     b.move_rows(buf)
     for x, y in zip(a.arrays(), b.arrays()):
         assert (x is None) == (y is None)

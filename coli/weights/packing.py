@@ -86,18 +86,25 @@ def dense_matrices(model) -> list:
     return list(seen.values())
 
 
-def _mapped_file(a: np.ndarray):
-    """The read-only file mapping that array ``a`` views (an np.memmap's mmap, or an mmap
-    opened for reading that the array was made from, as a safetensors checkpoint's), or None."""
+def _owner(a: np.ndarray):
+    """What array ``a``'s memory belongs to, following its bases: an np.memmap's mmap, else
+    the object at the end of the chain (a memoryview for arrays made with np.frombuffer)."""
     b = a
     while isinstance(b, np.ndarray):
         mm = getattr(b, "_mmap", None) if isinstance(b, np.memmap) else None
         if mm is not None:
             return mm
         b = b.base
-    if isinstance(b, memoryview) and b.readonly and isinstance(b.obj, mmap.mmap) and b.obj not in _ARENAS:
-        return b.obj  # (an anonymous mapping is never read-only: this one is a file's)
-    return None
+    return b
+
+
+def _mapped_file(a: np.ndarray):
+    """The read-only file mapping that array ``a`` views (an np.memmap's mmap, or an mmap
+    opened for reading that the array was made from, as a safetensors checkpoint's), or None."""
+    b = _owner(a)
+    if isinstance(b, memoryview) and b.readonly:  # (huge_buffer's anonymous mappings are writable)
+        b = b.obj
+    return b if isinstance(b, mmap.mmap) and b not in _ARENAS else None
 
 
 def drop_file_pages(arrays) -> int:
@@ -174,9 +181,6 @@ def _room_for(nbytes: int) -> bool:
 
 def _in_huge_buffer(m) -> bool:
     """Whether matrix m's rows already live in a buffer of :func:`huge_buffer`'s."""
-    b = m.arrays()[0]
-    while isinstance(b, np.ndarray):
-        b = b.base
-    if isinstance(b, memoryview):
-        b = b.obj
+    b = _owner(m.arrays()[0])
+    b = b.obj if isinstance(b, memoryview) else b
     return isinstance(b, mmap.mmap) and b in _ARENAS
