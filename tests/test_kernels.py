@@ -665,6 +665,32 @@ def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
     np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 
+@pytest.mark.parametrize("M", [2, 3, 4, 5, 9])
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_attention_decode_rows_of_many_sequences(M, half, threads):
+    """One decode row of each of M sequences (the 4-stream step of `coli serve`): whichever way
+    the rows' work items go to the threads (chunks computed apart, one item at a time, or each
+    thread all of a row's KV heads), every row keeps the bits it has alone."""
+    rnd = _own_rand(M * 7 + threads)
+    nh, nkv, hd, cap = 9, 3, 64, 200
+    dt = np.float16 if half else np.float32
+    caches = [(rnd(cap, nkv * hd).astype(dt), rnd(cap, nkv * hd).astype(dt)) for _ in range(M)]
+    pos = np.array([40 + 37 * m for m in range(M)], np.int32) % cap
+    kptr = np.array([kc.ctypes.data for kc, _ in caches], np.int64)
+    vptr = np.array([vc.ctypes.data for _, vc in caches], np.int64)
+    q = rnd(M, nh * hd)
+    batch = np.empty((M, nh * hd), np.float32)
+    K.attention(q, kptr, vptr, pos, batch, nh, nkv, hd, hd, 0.125, 0, 0.0, 0, half)
+    for m in range(M):
+        alone = np.empty((1, nh * hd), np.float32)
+        K.attention(q[m : m + 1], kptr[m : m + 1], vptr[m : m + 1], pos[m : m + 1], alone, nh, nkv, hd, hd, 0.125,
+                    0, 0.0, 0, half)
+        np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row {m} at position {pos[m]} ({threads} threads)")
+    ks = [kc.astype(np.float32).reshape(cap, nkv, hd) for kc, _ in caches]
+    vs = [vc.astype(np.float32).reshape(cap, nkv, hd) for _, vc in caches]
+    np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, hd, 0.125, 0), **TOL)
+
+
 @pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (10, 2, 40, 40, 0), (3, 1, 20, 36, 0),
                                                    (8, 1, 72, 48, 72)])
 @pytest.mark.parametrize("window", [0, 45])

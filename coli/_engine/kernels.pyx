@@ -738,7 +738,8 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     (flash-decoding's split-K). Work items are (tile, run of heads): a tile is up to
     COLI_ATT_ROWS (16) consecutive rows of one sequence (a prompt's, in prefill), which walk
     their chunks together, so each chunk of keys and values is read from memory once for the
-    tile (and, from an f16 cache, widened once for it); or, when there are too few items to
+    tile (and, from an f16 cache, widened once for it), and a thread takes all of a tile's runs
+    when there are tiles enough to go round; or, when there are too few items to
     keep the threads busy (one-token decode), (row, run, chunk), merged after a barrier in the
     same order. Every row's arithmetic is the same either way, so results do not depend on the
     thread count or on which rows share the call. Nothing is allocated in the steady state (a
@@ -800,13 +801,19 @@ cdef int _attend(att_call *a, int M) except -1:
     base += (16 - (<uintptr_t>base // sizeof(float)) % 16) % 16  # 64-byte aligned
     cdef int32_t *tiles = <int32_t *>(base + nt * (tw + ww))
     a.tiles = tiles
-    nitems = <long>_tile(a, M, max(1, min(COLI_ATT_ROWS, <long>M * units // (4 * nt))), tiles) * units
+    cdef int ntiles = _tile(a, M, max(1, min(COLI_ATT_ROWS, <long>M * units // (4 * nt))), tiles)
+    nitems = <long>ntiles * units
+    # Tiles go to the threads in turn (a prompt's later rows have more keys than its first),
+    # each with all its runs of heads: those read the other KV heads' parts of the same cache
+    # rows, which the run before pulled in (the hardware fetches whole neighbouring lines).
+    # With few tiles that would leave a thread idle: then the items go one by one.
+    cdef int per = units if ntiles >= 2 * nt or ntiles % nt == 0 else 1
     with nogil:
         if nt == 1:
             for idx in range(nitems):
                 _att_tile(a, idx, base, base + tw if ww else NULL)
-        else:  # items one by one in turn: a prompt's later rows have more keys than its first
-            for idx in prange(nitems, num_threads=nt, schedule='static', chunksize=1):
+        else:
+            for idx in prange(nitems, num_threads=nt, schedule='static', chunksize=per):
                 _att_tile(a, idx, base + threadid() * (tw + ww), base + threadid() * (tw + ww) + tw if ww else NULL)
     return 0
 
