@@ -666,16 +666,21 @@ def test_attention_alone_or_in_a_batch(nh, nkv, hd, vd, v_stride, window):
 
 
 @pytest.mark.parametrize("M", [2, 3, 4, 5, 9])
+@pytest.mark.parametrize("lengths", ["spread", "one long"])
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
-def test_attention_decode_rows_of_many_sequences(M, half, threads):
+def test_attention_decode_rows_of_many_sequences(M, lengths, half, threads):
     """One decode row of each of M sequences (the 4-stream step of `coli serve`): whichever way
     the rows' work items go to the threads (chunks computed apart, one item at a time, or each
-    thread all of a row's KV heads), every row keeps the bits it has alone."""
-    rnd = _own_rand(M * 7 + threads)
+    thread all of a row's KV heads; a long conversation beside short ones goes item by item),
+    every row keeps the bits it has alone."""
+    rnd = _own_rand(M * 7 + threads + len(lengths))
     nh, nkv, hd, cap = 9, 3, 64, 200
     dt = np.float16 if half else np.float32
     caches = [(rnd(cap, nkv * hd).astype(dt), rnd(cap, nkv * hd).astype(dt)) for _ in range(M)]
-    pos = np.array([40 + 37 * m for m in range(M)], np.int32) % cap
+    if lengths == "spread":
+        pos = np.array([40 + 37 * m for m in range(M)], np.int32) % cap
+    else:
+        pos = np.array([190] + [3 + m for m in range(1, M)], np.int32)
     kptr = np.array([kc.ctypes.data for kc, _ in caches], np.int64)
     vptr = np.array([vc.ctypes.data for _, vc in caches], np.int64)
     q = rnd(M, nh * hd)

@@ -739,7 +739,8 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     COLI_ATT_ROWS (16) consecutive rows of one sequence (a prompt's, in prefill), which walk
     their chunks together, so each chunk of keys and values is read from memory once for the
     tile (and, from an f16 cache, widened once for it), and a thread takes all of a tile's runs
-    when there are tiles enough to go round; or, when there are too few items to
+    when there are tiles enough to go round and none holds more keys than a thread's share;
+    or, when there are too few items to
     keep the threads busy (one-token decode), (row, run, chunk), merged after a barrier in the
     same order. Every row's arithmetic is the same either way, so results do not depend on the
     thread count or on which rows share the call. Nothing is allocated in the steady state (a
@@ -806,8 +807,17 @@ cdef int _attend(att_call *a, int M) except -1:
     # Tiles go to the threads in turn (a prompt's later rows have more keys than its first),
     # each with all its runs of heads: those read the other KV heads' parts of the same cache
     # rows, which the run before pulled in (the hardware fetches whole neighbouring lines).
-    # With few tiles that would leave a thread idle: then the items go one by one.
-    cdef int per = units if ntiles >= 2 * nt or ntiles % nt == 0 else 1
+    # With few tiles, or one tile holding more keys than a thread's share (a long
+    # conversation's row beside short ones), that would leave a thread idle: then the items
+    # go one by one.
+    cdef long most = 0, tk
+    cdef int t
+    for t in range(ntiles):
+        tk = 0
+        for m in range(tiles[t], tiles[t + 1]):
+            tk += a.pos[m] + 1 - _att_start(a, m)
+        most = max(most, tk)
+    cdef int per = units if (ntiles >= 2 * nt or ntiles % nt == 0) and most * nt <= keys else 1
     with nogil:
         if nt == 1:
             for idx in range(nitems):
