@@ -646,9 +646,14 @@ cdef inline int _att_start(const att_call *a, int m) noexcept nogil:
     return 0
 
 
+cdef inline int _att_keys(const att_call *a, int m) noexcept nogil:
+    """How many keys row m attends."""
+    return a.pos[m] + 1 - _att_start(a, m)
+
+
 cdef inline int _att_chunks(const att_call *a, int m) noexcept nogil:
     """How many COLI_ATT_CH-key chunks row m's keys make."""
-    return (a.pos[m] + 1 - _att_start(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH
+    return (_att_keys(a, m) + COLI_ATT_CH - 1) // COLI_ATT_CH
 
 
 cdef inline int _att_heads(const att_call *a, int u, int *nb) noexcept nogil:
@@ -782,7 +787,7 @@ cdef int _attend(att_call *a, int M) except -1:
     for m in range(M):
         if a.pos[m] < 0:
             raise ValueError("attention: negative position")
-        keys += a.pos[m] + 1 - _att_start(a, m)
+        keys += _att_keys(a, m)
         a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb
     nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
@@ -815,7 +820,7 @@ cdef int _attend(att_call *a, int M) except -1:
     for t in range(ntiles):
         tk = 0
         for m in range(tiles[t], tiles[t + 1]):
-            tk += a.pos[m] + 1 - _att_start(a, m)
+            tk += _att_keys(a, m)
         most = max(most, tk)
     cdef int per = units if (ntiles >= 2 * nt or ntiles % nt == 0) and most * nt <= keys else 1
     with nogil:
