@@ -210,6 +210,33 @@ def test_moe_prefill_experts_with_few_tokens_each(fmt):
             np.testing.assert_allclose(out[i], one[0], rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
 
 
+@pytest.mark.parametrize("fmt", FMTS + ["f32", "bf16"])
+@pytest.mark.parametrize("case", ["decode", "uneven", "one expert"])
+def test_moe_experts_keep_their_bits_however_the_threads_split_them(fmt, case):
+    """The experts' work items go to the threads in runs of about equal cost: any team size
+    (more threads than items too) gives exactly the one-thread result, with experts of very
+    different token counts."""
+    E, H, I = 6, 160, 96
+    if case == "decode":  # one token, two experts: few long items
+        idx = np.array([[4, 1]], np.int32)
+    elif case == "uneven":  # 24 tokens over experts of 20, 13, 8, 4, 2 and 1 tokens
+        idx = np.stack([np.repeat(np.array([0, 1, 2], np.int32), [20, 3, 1]),
+                        np.repeat(np.array([1, 2, 3, 4, 5], np.int32), [10, 7, 4, 2, 1])], 1)
+        assert np.bincount(idx.ravel()).tolist() == [20, 13, 8, 4, 2, 1]
+    else:  # every token to expert 3 alone
+        idx = np.full((5, 1), 3, np.int32)
+    table = _expert_table(fmt, E, H, I)
+    x = rand(len(idx), H)
+    w = rand(*idx.shape, scale=0.5)
+    K.set_num_threads(1)
+    ref, used = _moe(x, idx, w, table, E, I)
+    assert used == len(np.unique(idx))
+    for t in (2, 3, 5, 16):
+        K.set_num_threads(t)
+        out, _ = _moe(x, idx, w, table, E, I)
+        np.testing.assert_array_equal(out, ref, err_msg=f"{t} threads")
+
+
 def test_int8_experts_give_a_token_the_same_bits_alone_or_in_a_batch():
     """int8 experts: each token's MoE output has the bits of its one-token call (the int16
     activations and their arrangement are per row, so an expert's batch is its tokens)."""

@@ -622,6 +622,34 @@ cdef class MoEScratch:
         return sum(a.nbytes for a in self.arrays)
 
 
+cdef enum:
+    MOE_TEAM_MAX = 256  # threads a moe_experts call splits its work items over, at most
+    MOE_ITEM_EXTRA = 2  # what an item's weight reads cost, in tokens of compute (_moe_split)
+
+
+cdef void _moe_split(const int *items, int n, const int *cnt, int nt, int *bnd) noexcept nogil:
+    """bnd[0..nt]: thread t takes items[bnd[t]:bnd[t+1]], runs in order of about equal cost.
+    Item e * 65536 + b costs cnt[e] + MOE_ITEM_EXTRA: its rows' compute grows with the
+    expert's tokens, its weight reads do not (at one token, a quantized row block's reads
+    take longer than its compute). An extra of 1, 4 or 16 decoded alike; 16 prefilled slower."""
+    cdef long total = 0, acc = 0, c
+    cdef int i, ti, cur = 0
+    for i in range(n):
+        total += cnt[items[i] // 65536] + MOE_ITEM_EXTRA
+    for i in range(nt + 1):
+        bnd[i] = n
+    bnd[0] = 0
+    for i in range(n):
+        c = cnt[items[i] // 65536] + MOE_ITEM_EXTRA
+        ti = <int>((2 * acc + c) * nt // (2 * total))  # the thread whose share holds the item's middle
+        if ti > nt - 1:
+            ti = nt - 1
+        while cur < ti:
+            cur += 1
+            bnd[cur] = i
+        acc += c
+
+
 cdef struct moe_job:
     # what the parallel phases of moe_experts read
     const coli_mat *mats   # the table's (E, 3): gate, up, down
@@ -685,7 +713,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
 
     Tokens are grouped by expert so each expert's weights are read once for all of
     its tokens; the (expert, row block) work items of all experts are spread over the
-    threads together. With ``active`` (E,) uint8 only the marked experts are computed
+    threads together, each thread a run of them in order. With ``active`` (E,) uint8 only the marked experts are computed
     (their table entries must be valid; the others' need not be); ``combine`` then
     writes the weighted sum of the expert outputs of all pairs into out and grows
     counts[e] by the tokens routed to e. Calling it once per group of experts with
@@ -716,7 +744,8 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         on = <const uint8_t *>_arr(active, cnp.NPY_UINT8, 1, False, "moe_experts: active")
         if _dim(active, 0) != E:
             raise ValueError("moe_experts: active mask length != experts")
-    cdef int m, j, e, b, p, it, n1 = 0, n2 = 0, used = 0
+    cdef int m, j, e, b, p, it, n1 = 0, n2 = 0, used = 0, t
+    cdef int bnd[MOE_TEAM_MAX + 1]
     for p in range(pairs):
         if not 0 <= ip[p] < E:
             raise ValueError(f"moe_experts: expert id {ip[p]} out of range")
@@ -765,6 +794,8 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     job.panels = panels
     cdef int min_rows = PANEL_MIN_ROWS
     cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
+    if nt > MOE_TEAM_MAX:
+        nt = MOE_TEAM_MAX
     # experts with several tokens take the multi-token tiles: their activations arranged once
     cdef long ldx = coli_xe_ld(table.fmt, pairs, H) if quant else 0
     cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
@@ -819,12 +850,19 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                 poff[e] = p
                 coli_pack_tokens(xg + <long>offs[e] * H, H, cnt[e], H, panels + <long>p * H)
                 p = p + (cnt[e] + COLI_NP - 1) // COLI_NP * COLI_NP
-        if nt == 1:
+        # Each phase's items go to the threads as runs in order, of about equal cost, so a
+        # thread reads long stretches of one or a few experts. Handed out one by one, the
+        # threads alternated blocks of the same expert, and each core's prefetchers ran on
+        # into the blocks the other core then read again: olmoe-1b-7b's shape decoded 4
+        # streams 1.22-1.28x faster in runs (BENCHMARKS.md, "MoE work items in runs").
+        if nt == 1 or n1 == 0:
             for it in range(n1):
                 _moe_up(&job, it1[it])
         else:
-            for it in prange(n1, num_threads=nt, schedule='dynamic'):
-                _moe_up(&job, it1[it])
+            _moe_split(it1, n1, cnt, nt, bnd)
+            for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+                for it in range(bnd[t], bnd[t + 1]):
+                    _moe_up(&job, it1[it])
         if job.q16:
             _quantize_rows16(scratch.g, inter, pairs, inter, &job.ah16)
         elif quant:
@@ -835,12 +873,14 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
             if poff[e] >= 0:
                 coli_pack_tokens(scratch.g + <long>offs[e] * inter, inter, cnt[e], inter,
                                  panels + <long>poff[e] * inter)
-        if nt == 1:
+        if nt == 1 or n2 == 0:
             for it in range(n2):
                 _moe_down(&job, it1[n1 + it])
         else:
-            for it in prange(n2, num_threads=nt, schedule='dynamic'):
-                _moe_down(&job, it1[n1 + it])
+            _moe_split(it1 + n1, n2, cnt, nt, bnd)
+            for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+                for it in range(bnd[t], bnd[t + 1]):
+                    _moe_down(&job, it1[n1 + it])
     if not combine:
         return used
     with nogil:
