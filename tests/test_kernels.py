@@ -734,6 +734,52 @@ def test_attention_prefill_tiles_are_rows_alone(nh, nkv, hd, vd, v_stride, windo
     np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (4, 4, 40, 24, 0), (8, 1, 72, 48, 72)])
+@pytest.mark.parametrize("rows", ["one long row", "four sequences", "a prompt"])
+@pytest.mark.parametrize("window", [0, 150])
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_attention_prefetch_changes_no_bits(nh, nkv, hd, vd, v_stride, rows, window, half, threads):
+    """Attention asks for the next chunk's keys and values ahead (set_att_prefetch): none, one
+    or three chunks ahead give the same bits, on each way the work goes to the threads (a long
+    decode row's chunks computed apart, several sequences' rows, a prompt's tiles), windows,
+    values inside the key rows, f32 and f16 caches, and the reference's values."""
+    rnd = _own_rand(nh * hd + window + threads + len(rows))
+    cap = 420
+    kw = v_stride if v_stride else nkv * hd
+    dt = np.float16 if half else np.float32
+    nseq = 4 if rows == "four sequences" else 1
+    caches = []
+    for _ in range(nseq):
+        kc = rnd(cap, kw).astype(dt)
+        caches.append((kc, kc if v_stride else rnd(cap, nkv * vd).astype(dt)))
+    if rows == "one long row":
+        pos, which = np.array([419], np.int32), [0]
+    elif rows == "four sequences":
+        pos, which = np.array([419, 300, 65, 200], np.int32), [0, 1, 2, 3]
+    else:
+        pos, which = np.arange(380, 420, dtype=np.int32), [0] * 40
+    kptr = np.array([caches[i][0].ctypes.data for i in which], np.int64)
+    vptr = np.array([caches[i][1].ctypes.data for i in which], np.int64)
+    q = rnd(len(pos), nh * hd)
+    outs, before = [], K.get_att_prefetch()
+    try:
+        for ahead in (0, 1, 3):
+            K.set_att_prefetch(ahead)
+            out = np.empty((len(pos), nh * vd), np.float32)
+            K.attention(q, kptr, vptr, pos, out, nh, nkv, hd, vd, 0.15, window, 0.0, v_stride, half)
+            outs.append(out)
+    finally:
+        K.set_att_prefetch(before)
+    for ahead, out in zip((1, 3), outs[1:]):
+        np.testing.assert_array_equal(outs[0], out, err_msg=f"{ahead} chunk(s) ahead, {threads} threads")
+    ks, vs = [], []
+    for i in which:
+        k32 = caches[i][0].astype(np.float32)
+        ks.append(k32[:, : nkv * hd].reshape(cap, nkv, hd))
+        vs.append((k32[:, :vd] if v_stride else caches[i][1].astype(np.float32)).reshape(cap, nkv, vd))
+    np.testing.assert_allclose(outs[1], R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
+
+
 @pytest.mark.parametrize("nh,hd,vd", [(4, 24, 16), (16, 40, 32), (5, 576, 512)])
 def test_attention_values_inside_key_rows(nh, hd, vd):
     """MLA: one shared latent head; values are the first v dims of each key row (v_stride)."""

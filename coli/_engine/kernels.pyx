@@ -63,6 +63,9 @@ cdef extern from "simd.h" nogil:
                           const int *j0, const int *j1, int nr, int hd, int vd, float scale, float softcap, int half,
                           float *o, long ldo, float *tmp, float *wide)
     long COLI_ATT_WIDE(int hd, int vd)
+    int coli_att_prefetch
+    void coli_attend_prefetch(const void *Kg, long ks, const void *Vg, long vs, int j0, int j1, int hd, int vd,
+                              int half)
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
     void coli_to_f16_row(const float *x, int d, uint16_t *h)
     void coli_f16_row(const uint16_t *h, long d, float *o)
@@ -681,19 +684,28 @@ cdef void _att_tile(const att_call *a, long idx, float *tmp, float *wide) noexce
 
 
 cdef void _att_part(const att_call *a, long idx) noexcept nogil:
-    """Item idx = (m * units + u) * maxch + c: chunk c of unit u of row m, into its slots."""
+    """Item idx = (m * maxch + c) * units + u: chunk c of unit u of row m, into its slots.
+    Chunk-major, so a thread's share is a stretch of positions whose rows it reads whole, one
+    KV head's slice after another, rather than one KV head's slice of every row; each item
+    asks for its slice of the thread's next chunk (see coli_att_prefetch)."""
     cdef int units = a.nkv * a.nsb, nb
-    cdef int c = idx % a.maxch
-    cdef int m = (idx // a.maxch) // units
-    cdef int h0 = _att_heads(a, (idx // a.maxch) - <long>m * units, &nb), g = h0 // a.group
-    cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1
+    cdef long mc = idx // units
+    cdef int m = mc // a.maxch
+    cdef int c = mc - <long>m * a.maxch
+    cdef int h0 = _att_heads(a, idx - mc * units, &nb), g = h0 // a.group
+    cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1, p1
     if j0 >= j1:  # a shorter row than the longest
         return
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
+    cdef const void *Kg = COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, a.half)
+    cdef const void *Vg = COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, a.half)
+    if coli_att_prefetch > 0:
+        p1 = min(j1 + coli_att_prefetch * COLI_ATT_CH, a.pos[m] + 1)
+        if p1 > j1 + (coli_att_prefetch - 1) * COLI_ATT_CH:
+            coli_attend_prefetch(Kg, a.ks, Vg, a.vs, j1 + (coli_att_prefetch - 1) * COLI_ATT_CH, p1, a.hd, a.vd, a.half)
     cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
-    coli_attend_part(a.q + <long>m * a.nh * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g * a.hd, a.half), a.ks,
-                     COLI_KV_AT(<const void *>a.vptr[m], <long>g * a.vd, a.half), a.vs, h0, nb, j0, j1, a.hd, a.vd,
+    coli_attend_part(a.q + <long>m * a.nh * a.hd, Kg, a.ks, Vg, a.vs, h0, nb, j0, j1, a.hd, a.vd,
                      a.scale, a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
@@ -702,6 +714,17 @@ cdef void _att_join(const att_call *a, long idx) noexcept nogil:
     cdef int m = idx // a.nh
     coli_attend_join(a.out + idx * a.vd, a.slots + idx * a.maxch * a.vd, a.ml + 2 * idx * a.maxch,
                      _att_chunks(a, m), a.vd)
+
+
+def set_att_prefetch(int chunks):
+    """Ask for attention's keys and values this many 64-key chunks ahead into L2 (default 1;
+    0: no such prefetch). For measurements: results do not depend on it."""
+    global coli_att_prefetch
+    coli_att_prefetch = chunks if chunks > 0 else 0
+
+
+def get_att_prefetch():
+    return coli_att_prefetch
 
 
 cdef float *_att_buf = NULL  # attention's scratch (split chunk outputs, per-thread merge rows), grown
@@ -746,9 +769,11 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     tile (and, from an f16 cache, widened once for it), and a thread takes all of a tile's runs
     when there are tiles enough to go round and none holds more keys than a thread's share;
     or, when there are too few items to
-    keep the threads busy (one-token decode), (row, run, chunk), merged after a barrier in the
-    same order. Every row's arithmetic is the same either way, so results do not depend on the
-    thread count or on which rows share the call. Nothing is allocated in the steady state (a
+    keep the threads busy (one-token decode), (row, chunk, run), so that each thread reads a
+    stretch of whole cache rows, merged after a barrier in the same order. Either way a thread
+    asks for the rows of the chunk it will read next into L2 while it computes one
+    (set_att_prefetch). Every row's arithmetic is the same either way, so results do not depend
+    on the thread count or on which rows share the call. Nothing is allocated in the steady state (a
     scratch buffer grows to the largest call: a few KB a thread and a table of tiles)."""
     cdef att_call a
     a.q = <const float *>_arr(q, cnp.NPY_FLOAT32, 2, False, "attention: q")

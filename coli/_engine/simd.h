@@ -601,6 +601,42 @@ static inline void coli_f16_prefetch(const uint16_t *R, long rs, int n, int d) {
         for (int j = 0; j < d; j += 32) __builtin_prefetch(R + (long)i * rs + j, 0, 3);
 }
 
+/* How many chunks ahead decode and prefill attention ask for their keys and values into L2
+ * (0: not at all; kernels.set_att_prefetch). While a thread computes one chunk of a KV head,
+ * it asks for that KV head's rows of the chunk it will read after it. The cache holds every KV
+ * head of a position in one row, so a KV head reads a slice of each row, rows a few hundred
+ * bytes apart: the hardware prefetchers follow such a walk only a little ahead, and the
+ * block-ahead L1 prefetch of coli_attend_part covers one block's compute, too short for memory's
+ * latency. A chunk ahead (64 positions: 16-48 KB of an f16 cache) kept memory busy: a
+ * one-token attention of SmolLM2's shape at 4096 positions read its cold cache 1.7x faster
+ * (BENCHMARKS.md, "Attention: the next chunk into L2"). Prefetches change no arithmetic. */
+static int coli_att_prefetch = 1;
+
+/* One cache line into L2. An instruction the compiler must keep: GCC 12 took
+ * coli_attend_prefetch, whose only effect is __builtin_prefetch calls, for a function with no
+ * effect and dropped it with its loops (no prefetcht1 in the built kernels). */
+#if defined(__x86_64__) || defined(__i386__)
+#define COLI_PREFETCH_L2(p) __asm__ volatile("prefetcht1 (%0)" : : "r"((const void *)(p)))
+#elif defined(__aarch64__)
+#define COLI_PREFETCH_L2(p) __asm__ volatile("prfm pldl2keep, [%0]" : : "r"((const void *)(p)))
+#else
+#define COLI_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#endif
+
+/* Ask for keys [j0, j1) of one KV head (rows ks elements apart, hd wide) and their values (vs,
+ * vd; none when the values lie inside the key rows, as MLA's do) to be brought into L2. */
+static inline void coli_attend_prefetch(const void *Kg, long ks, const void *Vg, long vs, int j0, int j1, int hd,
+                                        int vd, int half) {
+    long e = half ? 2 : 4;
+    int inkeys = Vg == Kg && vs == ks && vd <= hd;
+    for (int j = j0; j < j1; j++) {
+        const char *k = (const char *)Kg + (long)j * ks * e, *v = (const char *)Vg + (long)j * vs * e;
+        for (long b = 0; b < hd * e; b += 64) COLI_PREFETCH_L2(k + b);
+        if (!inkeys)
+            for (long b = 0; b < vd * e; b += 64) COLI_PREFETCH_L2(v + b);
+    }
+}
+
 /* One work item: heads h0 .. h0+nb-1 of one row (nb <= COLI_ATT_HB, all of one KV head) against
  * keys [c0, c1) (c1 - c0 <= COLI_ATT_CH). q: the row's queries (head h at q + h*hd); Kg, Vg: that
  * KV head's rows (key j at Kg + j*ks, Vg + j*vs elements): float32, or f16 when half is set
@@ -756,6 +792,18 @@ static inline void coli_attend_rows(const float *q, long ldq, const void *Kg, lo
         const void *Kc = Kg, *Vc = Vg;
         long ksc = ks, vsc = vs;
         int hc = half, lo = 0, hi = 0, live = 0;
+        if (coli_att_prefetch > 0 && c + coli_att_prefetch < nc) { /* the rows of the chunk ahead */
+            int pc = c + coli_att_prefetch, plo = 0, phi = 0, pl = 0;
+            for (int r = 0; r < nr; r++) {
+                int c0 = j0[r] + pc * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
+                if (c0 >= j1[r]) continue;
+                plo = pl++ == 0 || c0 < plo ? c0 : plo;
+                phi = c1 > phi ? c1 : phi;
+            }
+            if (pl > 0)
+                coli_attend_prefetch(Kg, ks, Vg, vs, plo, phi - plo > COLI_ATT_SPAN ? plo + COLI_ATT_SPAN : phi, hd,
+                                     vd, half);
+        }
         if (half && wide != NULL && nr > 1) {
             for (int r = 0; r < nr; r++) { /* the range the live rows read */
                 int c0 = j0[r] + c * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
