@@ -608,7 +608,7 @@ static inline void coli_f16_prefetch(const uint16_t *R, long rs, int n, int d) {
  * bytes apart: the hardware prefetchers follow such a walk only a little ahead, and the
  * block-ahead L1 prefetch of coli_attend_part covers one block's compute, too short for memory's
  * latency. A chunk ahead (64 positions: 16-48 KB of an f16 cache) kept memory busy: a
- * one-token attention of SmolLM2's shape at 4096 positions read its cold cache 1.7x faster
+ * one-token attention of SmolLM2's shape at 4096 positions read its cold cache 1.3-1.65x faster
  * (BENCHMARKS.md, "Attention: the next chunk into L2"). Prefetches change no arithmetic. */
 static int coli_att_prefetch = 1;
 
@@ -772,6 +772,20 @@ static inline void coli_attend_seq(const float *q, const void *Kg, long ks, cons
 /* floats of the scratch coli_attend_rows widens an f16 chunk into (keys, then values) */
 #define COLI_ATT_WIDE(hd, vd) ((long)COLI_ATT_SPAN * (((hd) + 15) / 16 * 16 + ((vd) + 15) / 16 * 16))
 
+/* The positions [*lo, *hi) that chunk c of nr rows covers (row r reads [j0[r] + c*COLI_ATT_CH,
+ * at most COLI_ATT_CH on, below j1[r])), and how many of the rows read in it (0: none; *lo and
+ * *hi are then left as they were). */
+static inline int coli_att_chunk_range(const int *j0, const int *j1, int nr, int c, int *lo, int *hi) {
+    int live = 0;
+    for (int r = 0; r < nr; r++) {
+        int c0 = j0[r] + c * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
+        if (c0 >= j1[r]) continue;
+        *lo = live++ == 0 || c0 < *lo ? c0 : *lo;
+        *hi = live == 1 || c1 > *hi ? c1 : *hi;
+    }
+    return live;
+}
+
 /* Heads h0 .. h0+nb-1 (one KV group) of nr <= COLI_ATT_ROWS rows reading the same KV head: row
  * r's queries at q + r*ldq, its keys [j0[r], j1[r]), its output at o + r*ldo (head h at
  * + h*vd). tmp: nb*vd floats of scratch; wide: COLI_ATT_WIDE(hd, vd) floats, 64-byte aligned,
@@ -793,24 +807,13 @@ static inline void coli_attend_rows(const float *q, long ldq, const void *Kg, lo
         long ksc = ks, vsc = vs;
         int hc = half, lo = 0, hi = 0, live = 0;
         if (coli_att_prefetch > 0 && c + coli_att_prefetch < nc) { /* the rows of the chunk ahead */
-            int pc = c + coli_att_prefetch, plo = 0, phi = 0, pl = 0;
-            for (int r = 0; r < nr; r++) {
-                int c0 = j0[r] + pc * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
-                if (c0 >= j1[r]) continue;
-                plo = pl++ == 0 || c0 < plo ? c0 : plo;
-                phi = c1 > phi ? c1 : phi;
-            }
-            if (pl > 0)
+            int plo = 0, phi = 0;
+            if (coli_att_chunk_range(j0, j1, nr, c + coli_att_prefetch, &plo, &phi) > 0)
                 coli_attend_prefetch(Kg, ks, Vg, vs, plo, phi - plo > COLI_ATT_SPAN ? plo + COLI_ATT_SPAN : phi, hd,
                                      vd, half);
         }
         if (half && wide != NULL && nr > 1) {
-            for (int r = 0; r < nr; r++) { /* the range the live rows read */
-                int c0 = j0[r] + c * COLI_ATT_CH, c1 = j1[r] - c0 < COLI_ATT_CH ? j1[r] : c0 + COLI_ATT_CH;
-                if (c0 >= j1[r]) continue;
-                lo = live++ == 0 || c0 < lo ? c0 : lo;
-                hi = c1 > hi ? c1 : hi;
-            }
+            live = coli_att_chunk_range(j0, j1, nr, c, &lo, &hi);
             if (live > 1 && hi - lo <= COLI_ATT_SPAN) {
                 coli_f16_rows((const uint16_t *)Kg + (long)lo * ks, ks, hi - lo, hd, wide, ldk);
                 if (!inkeys) coli_f16_rows((const uint16_t *)Vg + (long)lo * vs, vs, hi - lo, vd, wv, ldv);
