@@ -4,6 +4,7 @@ layer last read them) and when they sit in L1 / L2.
 
     python benchmarks/bench_attention_decode.py --threads 1 --pos 136
     python benchmarks/bench_attention_decode.py --threads 1 --pos 136 --half   # an f16 cache, the default
+    python benchmarks/bench_attention_decode.py -m DIR --threads 2 --streams 4 --context 2048  # whole steps
 
 Shape: SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64, 30 layers). Cold: the 30 layers'
 caches attended in turn, ``--evict`` MB walked between passes; hot: one cache, again and
@@ -12,6 +13,11 @@ it: misaligned rows, which several heads realign before use). Wall clock per cal
 minimum), and at one thread the calling thread's CPU time too (robust to other processes);
 compare two trees with ``PYTHONPATH=<tree>`` one after the other, and keep the load
 (``uptime``) next to the numbers.
+
+With ``-m DIR``: whole one-token decode steps of that model instead (``--streams`` sequences
+each prefilled to ``--context`` positions, one token each per step, the cache cut back after
+every step), the median over ``--rounds`` rounds of the best of 4 steps, in ms; at long
+contexts attention is most of such a step. Compare trees the same way, alternating them.
 """
 from __future__ import annotations
 
@@ -22,6 +28,35 @@ import time
 import numpy as np
 
 from coli._engine import kernels as K
+
+
+def steps(a) -> None:
+    import statistics
+
+    import coli
+
+    model = coli.load(a.model, threads=a.threads)
+    eng = model.engine
+    caches = [eng.new_cache(a.context + 16) for _ in range(a.streams)]
+    for i, c in enumerate(caches):
+        ids = [2 + (j * (i + 3)) % 1000 for j in range(a.context)]
+        for s in range(0, a.context, 256):
+            eng.step([(c, ids[s:s + 256])])
+    base = [len(c) for c in caches]
+    res = []
+    for _ in range(a.rounds):
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            eng.step([(c, [5]) for c in caches])
+            best = min(best, time.perf_counter() - t0)
+            for c, b in zip(caches, base):
+                c.truncate(b)
+        res.append(best * 1e3)
+    model.close()
+    print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {a.streams} streams · context {a.context} · "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"decode step: median {statistics.median(res):.3f} ms (min {min(res):.3f}) of {a.rounds} rounds")
 
 
 def main() -> None:
@@ -36,7 +71,14 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=40)
     ap.add_argument("--half", action="store_true", help="an f16 cache (the engine's default) instead of float32")
     ap.add_argument("--offset", type=int, default=0, help="floats past a 64-byte boundary the caches start")
+    ap.add_argument("-m", "--model", help="time whole decode steps of this model instead of the kernel")
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()
+    if a.model:
+        steps(a)
+        return
     K.set_num_threads(a.threads)
     nh, nkv, hd, L = a.heads, a.kv_heads, a.head_dim, a.layers
     rng = np.random.default_rng(0)

@@ -367,12 +367,22 @@ def test_kv_write_half_rounds_like_numpy(w):
     assert not kc[[4, 6, 7, 8]].any()
 
 
-@pytest.mark.parametrize("nh,nkv,hd,vd", ATT_DIMS)
+# Shapes whose f16 keys / values are widened in registers on some path (head dims of 1, 2, 4, 8
+# or, for groups of two or more, 16 vectors of 16, 8, 4 or 1 floats; groups of 1 to 5 heads, 5
+# splitting into items of 4 + 1): SmolLM2's (9, 3, 64), Llama's (8, 2, 128) group of 4, values
+# narrower than keys, and head dims that are a multiple of the vector width on AVX2 or NEON
+# only. ATT_DIMS' odd widths take the staging buffer instead.
+HALF_DIRECT_DIMS = [(9, 3, 64, 64), (4, 1, 32, 32), (2, 2, 16, 16), (6, 2, 64, 48), (5, 1, 128, 128),
+                    (8, 2, 128, 128), (4, 2, 24, 40), (3, 3, 8, 8)]
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd", ATT_DIMS + HALF_DIRECT_DIMS)
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 5.0)])
 def test_attention_half_is_float32_of_the_rounded_values(nh, nkv, hd, vd, window, softcap):
     """Attention over f16 caches gives the very bits of attention over float32 caches that
-    hold the same rounded values (blocks are widened exactly, then the float32 arithmetic
-    runs), for rows of two sequences at block and chunk boundaries."""
+    hold the same rounded values (keys and values are widened exactly, in registers or through
+    the staging buffer, then the float32 arithmetic runs), for rows of two sequences at block
+    and chunk boundaries."""
     rand = _own_rand(hd * 7 + vd + window)
     caps = [9, 301]
     seq = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1], np.int64)

@@ -757,8 +757,10 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     positions v_stride elements apart (MLA reads its values from the leading part of its key
     rows); row m attends positions [pos[m] - window + 1, pos[m]] (all of [0, pos[m]] when
     window <= 0). The caches are float32, or f16 with ``half`` (head dims up to COLI_STAGE_LD,
-    576): each block of keys or values is widened once, exactly, into a small buffer the
-    block's heads share, so the output is the bits of a float32 cache holding the same values.
+    576): keys and values are widened exactly, in registers as they are read (each key vector
+    once for all the heads of a KV group) where a tile fits the head dims, else block by block
+    into a small buffer the block's heads share, so the output is the bits of a float32 cache
+    holding the same values.
 
     A row's keys are taken in fixed chunks of COLI_ATT_CH (64) counted from its first key, its
     heads in runs of up to COLI_ATT_HB (4) of one KV group (which share every K / V row they

@@ -151,6 +151,18 @@ static inline void coli_f16_row(const uint16_t *h, long d, float *o) {
     for (; i < d; i++) o[i] = coli_f16_to_f32(h[i]);
 }
 
+/* CV_W halves at h widened into one vector (exact): an f16 cache's keys and values read straight
+ * into registers, the same floats coli_f16_row writes. */
+#if defined(__AVX512F__)
+#define cv_load_h(h) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h)))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define cv_load_h(h) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(h)))
+#elif defined(COLI_NEON)
+#define cv_load_h(h) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)))
+#elif CV_W == 1
+#define cv_load_h(h) coli_f16_to_f32(*(h))
+#endif
+
 /* h[:d] = x[:d] narrowed (round to nearest even) */
 static inline void coli_to_f16_row(const float *x, int d, uint16_t *h) {
     int i = 0;
@@ -533,16 +545,16 @@ static inline cv_t coli_qk_block(const float *q, const float *K, long ks, int n,
  * may be uninitialized). HB and NV are literals at every call site: the HB x NV sums stay in
  * registers, each V vector loaded serves every head, and each head's sums run over the keys in
  * order, whatever HB (so a head's result does not depend on which heads share its item). */
-#define COLI_PVH(HB, NV)                                                                           \
-    static inline void coli_pvh_##HB##_##NV(float *o, long ldo, const float *V, long vs, int n,    \
-                                            const float *p, long ldp, int first) {                 \
+#define COLI_PVH_OF(SFX, VT, LOAD, HB, NV)                                                         \
+    static inline void coli_pvh##SFX##_##HB##_##NV(float *o, long ldo, const VT *V, long vs, int n, \
+                                                   const float *p, long ldp, int first) {          \
         cv_t a[HB][NV];                                                                            \
         for (int h = 0; h < HB; h++)                                                               \
             for (int v = 0; v < NV; v++) a[h][v] = first ? cv_zero() : cv_load(o + h * ldo + v * CV_W); \
         for (int i = 0; i < n; i++) {                                                              \
-            const float *r = V + (long)i * vs;                                                     \
+            const VT *r = V + (long)i * vs;                                                        \
             cv_t x[NV];                                                                            \
-            for (int v = 0; v < NV; v++) x[v] = cv_load(r + v * CV_W);                             \
+            for (int v = 0; v < NV; v++) x[v] = LOAD(r + v * CV_W);                                \
             for (int h = 0; h < HB; h++) {                                                         \
                 cv_t ph = cv_set1(p[h * ldp + i]);                                                 \
                 for (int v = 0; v < NV; v++) a[h][v] = cv_fma(ph, x[v], a[h][v]);                  \
@@ -551,12 +563,32 @@ static inline cv_t coli_qk_block(const float *q, const float *K, long ks, int n,
         for (int h = 0; h < HB; h++)                                                               \
             for (int v = 0; v < NV; v++) cv_store(o + h * ldo + v * CV_W, a[h][v]);                \
     }
-COLI_PVH(1, 1) COLI_PVH(1, 2) COLI_PVH(1, 3) COLI_PVH(1, 4) COLI_PVH(1, 5) COLI_PVH(1, 6) COLI_PVH(1, 7) COLI_PVH(1, 8)
-COLI_PVH(2, 1) COLI_PVH(2, 2) COLI_PVH(2, 3) COLI_PVH(2, 4) COLI_PVH(2, 5) COLI_PVH(2, 6) COLI_PVH(2, 7) COLI_PVH(2, 8)
-COLI_PVH(3, 1) COLI_PVH(3, 2) COLI_PVH(3, 3) COLI_PVH(3, 4) COLI_PVH(3, 5)
-COLI_PVH(4, 1) COLI_PVH(4, 2) COLI_PVH(4, 3) COLI_PVH(4, 4)
-#define COLI_PVH_CASE(HB, NV)                                                                      \
-    case HB * 16 + NV: coli_pvh_##HB##_##NV(o + d, ldo, V + d, vs, n, p, ldp, first); break;
+/* Every (HB, NV) a work item takes: float32 values (coli_pvh), f16 values widened as they are
+ * read (coli_pvh_h, the same arithmetic on the same floats) */
+#define COLI_PVH_ALL(SFX, VT, LOAD)                                                                \
+    COLI_PVH_OF(SFX, VT, LOAD, 1, 1) COLI_PVH_OF(SFX, VT, LOAD, 1, 2) COLI_PVH_OF(SFX, VT, LOAD, 1, 3) \
+    COLI_PVH_OF(SFX, VT, LOAD, 1, 4) COLI_PVH_OF(SFX, VT, LOAD, 1, 5) COLI_PVH_OF(SFX, VT, LOAD, 1, 6) \
+    COLI_PVH_OF(SFX, VT, LOAD, 1, 7) COLI_PVH_OF(SFX, VT, LOAD, 1, 8) COLI_PVH_OF(SFX, VT, LOAD, 2, 1) \
+    COLI_PVH_OF(SFX, VT, LOAD, 2, 2) COLI_PVH_OF(SFX, VT, LOAD, 2, 3) COLI_PVH_OF(SFX, VT, LOAD, 2, 4) \
+    COLI_PVH_OF(SFX, VT, LOAD, 2, 5) COLI_PVH_OF(SFX, VT, LOAD, 2, 6) COLI_PVH_OF(SFX, VT, LOAD, 2, 7) \
+    COLI_PVH_OF(SFX, VT, LOAD, 2, 8) COLI_PVH_OF(SFX, VT, LOAD, 3, 1) COLI_PVH_OF(SFX, VT, LOAD, 3, 2) \
+    COLI_PVH_OF(SFX, VT, LOAD, 3, 3) COLI_PVH_OF(SFX, VT, LOAD, 3, 4) COLI_PVH_OF(SFX, VT, LOAD, 3, 5) \
+    COLI_PVH_OF(SFX, VT, LOAD, 4, 1) COLI_PVH_OF(SFX, VT, LOAD, 4, 2) COLI_PVH_OF(SFX, VT, LOAD, 4, 3) \
+    COLI_PVH_OF(SFX, VT, LOAD, 4, 4)
+COLI_PVH_ALL(, float, cv_load)
+#if defined(cv_load_h)
+COLI_PVH_ALL(_h, uint16_t, cv_load_h)
+#endif
+#define COLI_PVH_CASES(SFX)                                                                        \
+        COLI_PVH_CASE(SFX, 1, 1) COLI_PVH_CASE(SFX, 1, 2) COLI_PVH_CASE(SFX, 1, 3) COLI_PVH_CASE(SFX, 1, 4) \
+        COLI_PVH_CASE(SFX, 1, 5) COLI_PVH_CASE(SFX, 1, 6) COLI_PVH_CASE(SFX, 1, 7) COLI_PVH_CASE(SFX, 1, 8) \
+        COLI_PVH_CASE(SFX, 2, 1) COLI_PVH_CASE(SFX, 2, 2) COLI_PVH_CASE(SFX, 2, 3) COLI_PVH_CASE(SFX, 2, 4) \
+        COLI_PVH_CASE(SFX, 2, 5) COLI_PVH_CASE(SFX, 2, 6) COLI_PVH_CASE(SFX, 2, 7) COLI_PVH_CASE(SFX, 2, 8) \
+        COLI_PVH_CASE(SFX, 3, 1) COLI_PVH_CASE(SFX, 3, 2) COLI_PVH_CASE(SFX, 3, 3) COLI_PVH_CASE(SFX, 3, 4) \
+        COLI_PVH_CASE(SFX, 3, 5) COLI_PVH_CASE(SFX, 4, 1) COLI_PVH_CASE(SFX, 4, 2) COLI_PVH_CASE(SFX, 4, 3) \
+        COLI_PVH_CASE(SFX, 4, 4)
+#define COLI_PVH_CASE(SFX, HB, NV)                                                                 \
+    case HB * 16 + NV: coli_pvh##SFX##_##HB##_##NV(o + d, ldo, V + d, vs, n, p, ldp, first); break;
 
 /* coli_pvh_HB_NV over the whole o_h[:vd] of hb <= 4 heads: pieces of up to 16 / hb vectors
  * (at most 8), then the last partial vector (vd % CV_W floats) with masked loads. */
@@ -566,12 +598,7 @@ static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs,
     while (d + CV_W <= vd) {
         int nv = (vd - d) / CV_W < nvmax ? (vd - d) / CV_W : nvmax;
         switch (hb * 16 + nv) {
-        COLI_PVH_CASE(1, 1) COLI_PVH_CASE(1, 2) COLI_PVH_CASE(1, 3) COLI_PVH_CASE(1, 4)
-        COLI_PVH_CASE(1, 5) COLI_PVH_CASE(1, 6) COLI_PVH_CASE(1, 7) COLI_PVH_CASE(1, 8)
-        COLI_PVH_CASE(2, 1) COLI_PVH_CASE(2, 2) COLI_PVH_CASE(2, 3) COLI_PVH_CASE(2, 4)
-        COLI_PVH_CASE(2, 5) COLI_PVH_CASE(2, 6) COLI_PVH_CASE(2, 7) COLI_PVH_CASE(2, 8)
-        COLI_PVH_CASE(3, 1) COLI_PVH_CASE(3, 2) COLI_PVH_CASE(3, 3) COLI_PVH_CASE(3, 4) COLI_PVH_CASE(3, 5)
-        COLI_PVH_CASE(4, 1) COLI_PVH_CASE(4, 2) COLI_PVH_CASE(4, 3) COLI_PVH_CASE(4, 4)
+        COLI_PVH_CASES()
         default: break;
         }
         d += nv * CV_W;
@@ -585,6 +612,72 @@ static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs,
         }
     }
 }
+
+#if defined(cv_load_h)
+/* coli_pvh over f16 values (vd a multiple of CV_W), each vector widened as it is read: the
+ * floats and the arithmetic of coli_pvh on the block widened first, without the copy. */
+static inline void coli_pvh_h(int hb, float *o, long ldo, const uint16_t *V, long vs, int n, const float *p,
+                              long ldp, int first, int vd) {
+    int nvmax = hb <= 2 ? 8 : hb == 3 ? 5 : 4, d = 0;
+    while (d + CV_W <= vd) {
+        int nv = (vd - d) / CV_W < nvmax ? (vd - d) / CV_W : nvmax;
+        switch (hb * 16 + nv) {
+        COLI_PVH_CASES(_h)
+        default: break;
+        }
+        d += nv * CV_W;
+    }
+}
+
+/* The scores of HB heads (head h's queries at q + h*ldq, NV*CV_W floats) against n <= CV_W keys
+ * of an f16 cache (key i at K + i*ks halves), one vector per head in sc[h] (lane i = key i,
+ * lanes >= n are 0), unscaled: each key's vectors are widened once, in registers, for every
+ * head. A head's sums are coli_qk_block's (its chain over the vectors in order, from zero),
+ * so its scores are the bits of the key block widened first. */
+#define COLI_QKH(HB, NV)                                                                           \
+    static inline void coli_qkh_##HB##_##NV(const float *q, long ldq, const uint16_t *K, long ks, int n, \
+                                            cv_t *sc) {                                            \
+        cv_t qv[HB][NV], acc[HB][CV_W];                                                            \
+        for (int h = 0; h < HB; h++)                                                               \
+            for (int v = 0; v < NV; v++) qv[h][v] = cv_load(q + h * ldq + v * CV_W);              \
+        for (int i = 0; i < n; i++, K += ks) {                                                     \
+            cv_t a[HB];                                                                            \
+            for (int h = 0; h < HB; h++) a[h] = cv_zero();                                         \
+            for (int v = 0; v < NV; v++) {                                                         \
+                cv_t k = cv_load_h(K + v * CV_W);                                                  \
+                for (int h = 0; h < HB; h++) a[h] = cv_fma(qv[h][v], k, a[h]);                     \
+            }                                                                                      \
+            for (int h = 0; h < HB; h++) acc[h][i] = a[h];                                         \
+        }                                                                                          \
+        for (int h = 0; h < HB; h++) {                                                             \
+            for (int i = n; i < CV_W; i++) acc[h][i] = cv_zero();                                  \
+            sc[h] = cv_sum_lanes(acc[h]);                                                          \
+        }                                                                                          \
+    }
+#define COLI_QKH_NV(HB) COLI_QKH(HB, 1) COLI_QKH(HB, 2) COLI_QKH(HB, 4) COLI_QKH(HB, 8) COLI_QKH(HB, 16)
+COLI_QKH_NV(1) COLI_QKH_NV(2) COLI_QKH_NV(3) COLI_QKH_NV(4)
+#define COLI_QKH_CASE(HB, NV)                                                                      \
+    case HB * 32 + NV: coli_qkh_##HB##_##NV(q, ldq, K, ks, n, sc); return 1;
+#define COLI_QKH_CASES(HB) COLI_QKH_CASE(HB, 1) COLI_QKH_CASE(HB, 2) COLI_QKH_CASE(HB, 4) COLI_QKH_CASE(HB, 8) COLI_QKH_CASE(HB, 16)
+
+/* Whether a work item of nb heads of hd floats reads an f16 cache widening in registers: coli_qkh
+ * has a tile for 1, 2, 4, 8 or 16 vectors, and a lone head of 16 (olmoe's 128 on AVX2, no key
+ * shared) keeps the buffer, whose row-by-row widening read olmoe's cold cache 8-12% faster. */
+static inline int coli_qkh_fits(int nb, int hd) {
+    int nv = hd / CV_W;
+    return hd % CV_W == 0 && (nv == 1 || nv == 2 || nv == 4 || nv == 8 || (nv == 16 && nb > 1));
+}
+
+/* coli_qkh_HB_NV for nb <= 4 heads of hd = NV*CV_W floats; 0 (nothing computed) for a width
+ * it has no tile for. */
+static inline int coli_qkh(int nb, int hd, const float *q, long ldq, const uint16_t *K, long ks, int n, cv_t *sc) {
+    if (!coli_qkh_fits(nb, hd)) return 0;
+    switch (nb * 32 + hd / CV_W) {
+    COLI_QKH_CASES(1) COLI_QKH_CASES(2) COLI_QKH_CASES(3) COLI_QKH_CASES(4)
+    default: return 0;
+    }
+}
+#endif
 
 static inline float coli_exp1(float x) { return cv_first(cv_exp(cv_set1(x))); }
 
@@ -644,9 +737,14 @@ static inline void coli_attend_prefetch(const void *Kg, long ks, const void *Vg,
  * oc + i*ldo (vd floats), its max m_c to ml[i*lds] and its sum l_c to ml[i*lds + 1].
  * softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores. Allocates nothing.
  *
- * An f16 cache's blocks are widened (exactly) into the staging buffer and go through the same
- * float32 arithmetic, so its results are the bits a float32 cache holding the same (rounded)
- * values gives: what reads the cache is tested against float32 directly. */
+ * An f16 cache's keys and values are widened (exactly) and go through the same float32
+ * arithmetic, so its results are the bits a float32 cache holding the same (rounded) values
+ * gives: what reads the cache is tested against float32 directly. Where a tile fits
+ * (coli_qkh_fits) they are widened in registers as they are read, each key vector once for all
+ * the item's heads (coli_qkh, coli_pvh_h); otherwise block by block into the staging buffer.
+ * Widening in registers instead of through the buffer made a one-token attention of SmolLM2's
+ * shape 1.3-1.6x faster from memory (BENCHMARKS.md, "Attention: f16 keys and values widened
+ * in registers"). */
 static inline void coli_attend_part(const float *q, const void *Kg, long ks, const void *Vg, long vs, int h0,
                                     int nb, int c0, int c1, int hd, int vd, float scale, float softcap, int half,
                                     float *oc, long ldo, float *ml, long lds) {
@@ -658,11 +756,16 @@ static inline void coli_attend_part(const float *q, const void *Kg, long ks, con
         int n = nk - b < CV_W ? nk - b : CV_W;
         const float *Kb;
         long kst = ks;
+        cv_t sc[COLI_ATT_HB];
+        int direct = 0; /* the scores computed straight from the f16 keys */
         if (half) {
             int next = nk - b - CV_W < CV_W ? nk - b - CV_W : CV_W; /* the next block's keys, and this block's values */
             if (next > 0) coli_f16_prefetch((const uint16_t *)Kg + (long)(c0 + b + CV_W) * ks, ks, next, hd);
             coli_f16_prefetch((const uint16_t *)Vg + (long)(c0 + b) * vs, vs, n, vd);
-            coli_f16_rows((const uint16_t *)Kg + (long)(c0 + b) * ks, ks, n, hd, buf, ldk);
+#if defined(cv_load_h)
+            direct = coli_qkh(nb, hd, q + (long)h0 * hd, hd, (const uint16_t *)Kg + (long)(c0 + b) * ks, ks, n, sc);
+#endif
+            if (!direct) coli_f16_rows((const uint16_t *)Kg + (long)(c0 + b) * ks, ks, n, hd, buf, ldk);
             Kb = buf, kst = ldk;
         } else {
             Kb = (const float *)Kg + (long)(c0 + b) * ks;
@@ -675,7 +778,7 @@ static inline void coli_attend_part(const float *q, const void *Kg, long ks, con
 #endif
         }
         for (int i = 0; i < nb; i++) {
-            cv_t v = cv_mul(coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), cv_set1(scale));
+            cv_t v = cv_mul(direct ? sc[i] : coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), cv_set1(scale));
             if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
                 _Alignas(64) float t[CV_W];
                 cv_store(t, v);
@@ -700,6 +803,17 @@ static inline void coli_attend_part(const float *q, const void *Kg, long ks, con
     }
     const float *V0 = half ? NULL : (const float *)Vg + (long)c0 * vs;
     int sv = V0 != NULL && nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
+#if defined(cv_load_h)
+    /* widened as read, block by block: the same floats and sums as through the buffer. Only where
+     * the keys are read so too: on AVX2 olmoe's values (one head, vd 128, two pieces of a row)
+     * read cold 2-6% slower without the buffer's row-by-row walk, while its keys took the buffer. */
+    if (half && vd % CV_W == 0 && coli_qkh_fits(nb, hd)) {
+        for (int b = 0; b < nk; b += CV_W)
+            coli_pvh_h(nb, oc, ldo, (const uint16_t *)Vg + (long)(c0 + b) * vs, vs, nk - b < CV_W ? nk - b : CV_W,
+                       s[0] + b, COLI_ATT_CH, b == 0, vd);
+        return;
+    }
+#endif
     if (half || sv) { /* block by block through the buffer (the sums go through oc: the same bits) */
         for (int b = 0; b < nk; b += CV_W) {
             int n = nk - b < CV_W ? nk - b : CV_W;
