@@ -176,7 +176,13 @@ static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
 #if defined(COLI_Q512)
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
                         * a token gets the same bits alone, in a batch or in a verification */
-#define COLI_XT_MR 8    /* tokens per interleaved tile */
+/* Tokens per interleaved tile: 4, as on AVX2. Tiles of 8 read 8 tokens' arranged activations
+ * per step (704 bytes each; 25 KB a call at K = 576, 67 KB at 1536), more than a 32 KB L1 holds
+ * beside the weights, and spilled: on a Zen 4, one thread, cache-hot, two tiles of 4 took 8
+ * tokens of a 576 x 576 int4 matrix in 29 us instead of 41, and 64 tokens of 1536 x 576 in 611
+ * us instead of 835 (3: about as fast; 5: slower; BENCHMARKS.md, "int4 tiles of 4 tokens"). A
+ * token's arithmetic does not depend on which tokens share its tile: the same bits. */
+#define COLI_XT_MR 4
 /* vectors of 64 bytes per token and step: 8 activation dwords, the scale, 8 * the group sum
  * (int32) and scale * sum (float) */
 #define COLI_XE_Q4 11
@@ -331,18 +337,14 @@ static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
     }
 
 #define COLI_XTILES(NAME, ROLE)                                                                    \
-    ROLE(NAME, 1) ROLE(NAME, 2) ROLE(NAME, 3) ROLE(NAME, 4) ROLE(NAME, 5) ROLE(NAME, 6) ROLE(NAME, 7) ROLE(NAME, 8) \
+    ROLE(NAME, 1) ROLE(NAME, 2) ROLE(NAME, 3) ROLE(NAME, 4)                                        \
     static inline void NAME##_x(int mr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                 long ldw, long ldd, int nb, float *Y, long ldy) {                  \
         switch (mr) {                                                                              \
         case 1: NAME##_x1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break; /* same bits as in a batch */ \
         case 2: NAME##_x2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
         case 3: NAME##_x3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
-        case 4: NAME##_x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
-        case 5: NAME##_x5(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
-        case 6: NAME##_x6(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
-        case 7: NAME##_x7(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                             \
-        default: NAME##_x8(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                            \
+        default: NAME##_x4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy); break;                            \
         }                                                                                          \
     }
 /* One step of the tile over repacked rows: as COLI_Q4XSTEP, its weights and scales read as
@@ -387,18 +389,13 @@ static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
     }
 #define COLI_PKTILES(NAME, ASYM)                                                                   \
     COLI_Q4XTILE512_PK(NAME, 1, ASYM) COLI_Q4XTILE512_PK(NAME, 2, ASYM) COLI_Q4XTILE512_PK(NAME, 3, ASYM) \
-    COLI_Q4XTILE512_PK(NAME, 4, ASYM) COLI_Q4XTILE512_PK(NAME, 5, ASYM) COLI_Q4XTILE512_PK(NAME, 6, ASYM) \
-    COLI_Q4XTILE512_PK(NAME, 7, ASYM) COLI_Q4XTILE512_PK(NAME, 8, ASYM)                           \
+    COLI_Q4XTILE512_PK(NAME, 4, ASYM)                                                              \
     static inline void NAME##_pk(int mr, const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
         switch (mr) {                                                                              \
-        case 1: NAME##_pk1(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 2: NAME##_pk2(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 3: NAME##_pk3(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 4: NAME##_pk4(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 5: NAME##_pk5(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 6: NAME##_pk6(a, pk, nb, Y, ldy, nr); break;                                    \
-        case 7: NAME##_pk7(a, pk, nb, Y, ldy, nr); break;                                    \
-        default: NAME##_pk8(a, pk, nb, Y, ldy, nr); break;                                   \
+        case 1: NAME##_pk1(a, pk, nb, Y, ldy, nr); break;                                          \
+        case 2: NAME##_pk2(a, pk, nb, Y, ldy, nr); break;                                          \
+        case 3: NAME##_pk3(a, pk, nb, Y, ldy, nr); break;                                          \
+        default: NAME##_pk4(a, pk, nb, Y, ldy, nr); break;                                         \
         }                                                                                          \
     }
 COLI_PKTILES(coli_q4tile, 0)
