@@ -23,36 +23,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from coli._engine import kernels as K
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention_prefetch import best_step_ms, prefilled  # noqa: E402
+
 
 def steps(a) -> None:
-    import statistics
-
-    import coli
-
-    model = coli.load(a.model, threads=a.threads)
-    eng = model.engine
-    caches = [eng.new_cache(a.context + 16) for _ in range(a.streams)]
-    for i, c in enumerate(caches):
-        ids = [2 + (j * (i + 3)) % 1000 for j in range(a.context)]
-        for s in range(0, a.context, 256):
-            eng.step([(c, ids[s:s + 256])])
-    base = [len(c) for c in caches]
-    res = []
-    for _ in range(a.rounds):
-        best = float("inf")
-        for _ in range(4):
-            t0 = time.perf_counter()
-            eng.step([(c, [5]) for c in caches])
-            best = min(best, time.perf_counter() - t0)
-            for c, b in zip(caches, base):
-                c.truncate(b)
-        res.append(best * 1e3)
+    model, eng, caches, base = prefilled(a)
+    res = [best_step_ms(eng, caches, base) for _ in range(a.rounds)]
     model.close()
     print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {a.streams} streams · context {a.context} · "
           f"load {os.getloadavg()[0]:.1f}")

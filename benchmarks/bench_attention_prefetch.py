@@ -58,7 +58,9 @@ def kernel(a) -> dict[int, float]:
     return {pf: statistics.median(v) for pf, v in res.items()}
 
 
-def steps(a) -> dict[int, float]:
+def prefilled(a):
+    """``a.model`` loaded at ``a.threads`` threads and ``a.streams`` caches, each prefilled to
+    ``a.context`` positions: (model, engine, caches, their lengths)."""
     import coli
 
     model = coli.load(a.model, threads=a.threads)
@@ -68,19 +70,29 @@ def steps(a) -> dict[int, float]:
         ids = [2 + (j * (i + 3)) % 1000 for j in range(a.context)]
         for s in range(0, a.context, 256):
             eng.step([(c, ids[s:s + 256])])
-    base = [len(c) for c in caches]
+    return model, eng, caches, [len(c) for c in caches]
+
+
+def best_step_ms(eng, caches, base, tries: int = 4) -> float:
+    """The best of ``tries`` one-token steps of every cache, in ms, each cache cut back to its
+    length in ``base`` after every step."""
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        eng.step([(c, [5]) for c in caches])
+        best = min(best, time.perf_counter() - t0)
+        for c, b in zip(caches, base):
+            c.truncate(b)
+    return best * 1e3
+
+
+def steps(a) -> dict[int, float]:
+    model, eng, caches, base = prefilled(a)
     res: dict[int, list[float]] = {0: [], a.ahead: []}
     for _ in range(a.rounds):
         for pf in res:
             K.set_att_prefetch(pf)
-            best = float("inf")
-            for _ in range(4):
-                t0 = time.perf_counter()
-                eng.step([(c, [5]) for c in caches])
-                best = min(best, time.perf_counter() - t0)
-                for c, b in zip(caches, base):
-                    c.truncate(b)
-            res[pf].append(best * 1e3)
+            res[pf].append(best_step_ms(eng, caches, base))
     model.close()
     return {pf: statistics.median(v) for pf, v in res.items()}
 

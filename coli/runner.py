@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from coli._engine import kernels as K
 from coli.engine import Engine, KVCache, available_memory, release_threads
 from coli.errors import InvalidRequestError
 from coli.grammar import hook as grammar

@@ -71,8 +71,8 @@ def choose(forced: str | None = None, features: frozenset | None = None) -> str:
         return forced
     ok = runnable(features)
     if not ok:
-        raise SimdUnavailableError(f"no kernel module is built (looked for coli._engine._kernels_<path>); "
-                                   f"run: pip install -e .")
+        raise SimdUnavailableError("no kernel module is built (looked for coli._engine._kernels_<path>); "
+                                   "run: pip install -e .")
     return ok[0]
 
 

@@ -590,18 +590,24 @@ COLI_PVH_ALL(_h, uint16_t, cv_load_h)
 #define COLI_PVH_CASE(SFX, HB, NV)                                                                 \
     case HB * 16 + NV: coli_pvh##SFX##_##HB##_##NV(o + d, ldo, V + d, vs, n, p, ldp, first); break;
 
-/* coli_pvh_HB_NV over the whole o_h[:vd] of hb <= 4 heads: pieces of up to 16 / hb vectors
- * (at most 8), then the last partial vector (vd % CV_W floats) with masked loads. */
+/* How many of the `left` whole vectors the next coli_pvh piece of hb heads takes: up to 16 / hb
+ * accumulators (at most 8). */
+static inline int coli_pvh_piece(int hb, int left) {
+    int nvmax = hb <= 2 ? 8 : hb == 3 ? 5 : 4;
+    return left < nvmax ? left : nvmax;
+}
+
+/* coli_pvh_HB_NV over the whole o_h[:vd] of hb <= 4 heads: pieces of coli_pvh_piece vectors,
+ * then the last partial vector (vd % CV_W floats) with masked loads. */
 static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs, int n, const float *p, long ldp,
                             int first, int vd) {
-    int nvmax = hb <= 2 ? 8 : hb == 3 ? 5 : 4, d = 0;
-    while (d + CV_W <= vd) {
-        int nv = (vd - d) / CV_W < nvmax ? (vd - d) / CV_W : nvmax;
+    int d = 0;
+    for (int nv; d + CV_W <= vd; d += nv * CV_W) {
+        nv = coli_pvh_piece(hb, (vd - d) / CV_W);
         switch (hb * 16 + nv) {
         COLI_PVH_CASES()
         default: break;
         }
-        d += nv * CV_W;
     }
     if (d < vd) {
         int t = vd - d;
@@ -618,14 +624,12 @@ static inline void coli_pvh(int hb, float *o, long ldo, const float *V, long vs,
  * floats and the arithmetic of coli_pvh on the block widened first, without the copy. */
 static inline void coli_pvh_h(int hb, float *o, long ldo, const uint16_t *V, long vs, int n, const float *p,
                               long ldp, int first, int vd) {
-    int nvmax = hb <= 2 ? 8 : hb == 3 ? 5 : 4, d = 0;
-    while (d + CV_W <= vd) {
-        int nv = (vd - d) / CV_W < nvmax ? (vd - d) / CV_W : nvmax;
+    for (int nv, d = 0; d + CV_W <= vd; d += nv * CV_W) {
+        nv = coli_pvh_piece(hb, (vd - d) / CV_W);
         switch (hb * 16 + nv) {
         COLI_PVH_CASES(_h)
         default: break;
         }
-        d += nv * CV_W;
     }
 }
 

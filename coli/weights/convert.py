@@ -18,7 +18,7 @@ import numpy as np
 from coli import colscale
 from coli.config import ModelConfig
 from coli.errors import InvalidRequestError
-from coli.quant import check_format, quantize
+from coli.quant import check_format
 from coli.weights.converted import CARRIED_FILES, COL_SCALE, ConvertedWriter, is_converted, source_fingerprint
 from coli.weights.safetensors import Checkpoint
 from coli.weights.source import HFWeights, default_head_quant
