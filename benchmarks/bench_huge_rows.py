@@ -1,7 +1,7 @@
 """Rows read from a checkpoint's mapping against the same rows in transparent huge pages.
 
-The dense matrices a SIMD path computes on as rows (int8 on AVX-512, f32 and bf16 everywhere)
-are moved at load into a buffer of huge pages (coli/weights/packing.py, QMatrix.move_rows).
+The dense matrices a SIMD path computes on as rows (int8 on AVX-512 without VNNI, f32 and bf16
+everywhere) are moved at load into a buffer of huge pages (coli/weights/packing.py, QMatrix.move_rows).
 This times each such matrix of a model both ways in one process, alternated call by call:
 the matrix as the checkpoint maps it (``COLI_PACK=0``, then only the tiles packed) and a copy
 of its rows in a huge-page buffer. One token (or ``--tokens``), the threads given, wall clock,

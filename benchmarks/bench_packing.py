@@ -13,11 +13,11 @@ same cache pressure: on a shared machine the speed of one setting drifts by 20% 
 to minute, far more than the difference measured. Reported: the median step of each and
 the ratio; then, with --kernels, one qlinear call per shape of a 576-wide model at 1..8
 tokens with the matrix in cache (the compute alone). Needs a path with packed tiles for
---format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX2; COLI_SIMD=avx2 forces AVX2), or a
-kernel that gives transparent huge pages: then COLI_PACK=1 holds the rows of the matrices a
-path does not pack (int8 on AVX-512) in huge pages, COLI_PACK=0 reads them from the
-checkpoint's mapping, and the decode and prefill steps compare those. Both models stay
-loaded for the decode and the prefill steps.
+--format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX-512 VNNI, AVX2; COLI_SIMD=avx2 forces
+AVX2), or a kernel that gives transparent huge pages: then COLI_PACK=1 holds the rows of the
+matrices a path does not pack (int8 on AVX-512 without VNNI) in huge pages, COLI_PACK=0 reads
+them from the checkpoint's mapping, and the decode and prefill steps compare those. Both
+models stay loaded for the decode and the prefill steps.
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def main() -> None:
     tiles = quantize(np.ones((4, 32), np.float32), a.format).packed_bytes > 0
     if not tiles and not huge_pages() and not a.moves:
         sys.exit(f"bench_packing: the {K.simd_name()} path has no packed {a.format} tiles "
-                 f"({'AVX2 has' if a.format == 'int8' else 'AVX-512 VNNI and AVX2 have'}) and this kernel "
+                 f"({'AVX-512 VNNI and AVX2 have' if a.format == 'int8' else 'AVX-512 VNNI, AVX-512 and AVX2 have'}) and this kernel "
                  "gives no transparent huge pages to move the rows into")
     if a.kernels and a.moves:
         sys.exit("bench_packing: --kernels times the packed tiles against rows, not where rows live (drop --moves)")

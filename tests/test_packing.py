@@ -1,8 +1,8 @@
 """int4 and int8 matrices repacked into 4-row tiles (QMatrix.pack, coli/weights/packing.py):
 the same values read back; int4 on AVX-512 VNNI the very bits of the row layout's multi-token
 tiles, on AVX2 (and AVX-512 without VNNI) the NumPy twin's values with a token's bits
-independent of its batch and the token-lane GEMM's bits unchanged; int8 on AVX2 the very bits
-of the row layout at every token count; and a loaded model whose dense layers are packed gives
+independent of its batch and the token-lane GEMM's bits unchanged; int8 on AVX2 and AVX-512
+VNNI the very bits of the row layout at every token count; and a loaded model whose dense layers are packed gives
 the logits of the unpacked one. Every path this machine has runs this file
 (test_every_path_passes_the_packing_tests)."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ needs_tiles = pytest.mark.skipif(not PACKS, reason=f"the {K.simd_name()} path co
                                  "(the AVX2 and AVX-512 paths have the packed tiles)")
 PACKS8 = quantize(np.ones((4, 32), np.float32), "int8").packed_bytes > 0
 needs_tiles8 = pytest.mark.skipif(not PACKS8, reason=f"the {K.simd_name()} path computes int8 on rows "
-                                  "(the AVX2 path has the packed int8 tiles)")
+                                  "(the AVX2 and AVX-512 VNNI paths have the packed int8 tiles)")
 # AVX-512 VNNI: the packed tile is the row layout's multi-token tile, operation for operation
 EXACT = K.simd_name() == "avx512vnni" or (K.simd_name() == "native" and dispatch.NEEDS["avx512vnni"] <= dispatch.cpu_features())
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,9 +111,10 @@ def test_packed_tiles_give_the_bits_of_the_row_tiles(fmt, rows, cols):
 @needs_tiles8
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_a_packed_int8_matrix_reads_back_and_gives_the_bits_of_the_rows(rows, cols):
-    """AVX2 int8: the tile is the row layout's tile with its registers loaded as they lie, and
-    the token-lane prefill tiles read the same block from it, so every token count (one-token
-    decode, a batch, a verification, a prefill) gets the very bits of the rows."""
+    """int8: the tile holds the registers the row layout's tile makes (AVX2: the 4 rows'
+    groups transposed together; AVX-512 VNNI: each row's chunks transposed), and the prefill
+    tiles read the same bytes, so every token count (one-token decode, a batch, a
+    verification, a prefill) gets the very bits of the rows."""
     rng = np.random.default_rng(rows * cols + 1)
     a, b = _pair(rng, rows, cols, "int8")
     assert np.array_equal(b.data, a.data) and np.array_equal(b.scales, a.scales) and b.mins is None

@@ -52,7 +52,7 @@ cdef class QMatrix:
     int4s: data uint8 (rows, Kp/2), scales float16 (rows, Kp/32).
     int4: as int4s, plus mins float16 (rows, Kp/32). Kp = padded(cols).
 
-    ``pack()`` rearranges an int4 / int4s (AVX-512 VNNI, AVX2) or int8 (AVX2) matrix into the
+    ``pack()`` rearranges an int4 / int4s or int8 matrix (AVX-512 VNNI, AVX2) into the
     4-row tiles this SIMD path computes on fastest (simd_qx.h), in place of its row arrays;
     ``data``, ``scales`` and ``mins`` then unpack a copy on each read (the same values)."""
     cdef coli_mat m
@@ -114,9 +114,9 @@ cdef class QMatrix:
         return 0
 
     def pack(self, out=None):
-        """Hold an int4 / int4s matrix (AVX-512 VNNI, AVX2) or an int8 one (AVX2) in the 4-row
-        tiles of this SIMD path's fastest tiles (AVX-512 VNNI int4 and AVX2 int8: the same bits
-        as the multi-token tiles on the rows), in
+        """Hold an int4 / int4s or int8 matrix (AVX-512 VNNI, AVX2) in the 4-row tiles of this
+        SIMD path's fastest tiles (AVX-512 VNNI int4 and int8, AVX2 int8: the same bits as the
+        multi-token tiles on the rows), in
         ``out`` (a uint8 array of ``packed_bytes`` on a 64-byte boundary, which the matrix then
         keeps alive) or a buffer of its own, dropping the row arrays. Returns whether it did:
         other formats, other paths and packed matrices stay as they are."""

@@ -172,8 +172,7 @@ static inline float coli_q16_group512(const int8_t *w, const int16_t *x, float s
 #define COLI_Q16V_MR 8   /* tokens per tile */
 #define COLI_UNROLL _Pragma("GCC unroll 16")
 
-/* groups in the chunk that starts with left groups to go (>= 1) */
-static inline int coli_q16v_groups(int left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
+/* (coli_q16v_groups, the groups of a chunk: simd_qx.h, beside the packed layout) */
 
 /* Bytes of coli_q16_arrange's output per token: per chunk of T steps, 2T + 2 vectors. */
 static inline long coli_q16_xe_ld(int M, int K) {
@@ -280,10 +279,12 @@ static inline void coli_q16_arrange(const coli_act16 *a, int M, int K, uint8_t *
 
 /* One chunk (T steps, n real groups) of NR weight rows (ldw, ldd apart) for MR tokens:
  * acc[j * MR + i] for row j, token i. Per row: the weights transposed (W, signed) and
- * W + 128 (V, unsigned); per token: L = lo . W, H = hi . V - 128 sum hi = hi . W. */
+ * W + 128 (V, unsigned); per token: L = lo . W, H = hi . V - 128 sum hi = hi . W. pre: the
+ * rows hold their chunks transposed already (coli_q8x_pack); ahead: bytes from a row to the
+ * row whose chunk is prefetched (4 rows down, or the next packed tile's row). */
 static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR, int T, const uint8_t *xe, long lde,
                                                                  const int8_t *w, long ldw, const uint16_t *wd,
-                                                                 long ldd, int n, __m512 *acc) {
+                                                                 long ldd, int n, __m512 *acc, long ahead, int pre) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     COLI_UNROLL
     for (int j = 0; j < NR; j++) {
@@ -294,8 +295,8 @@ static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR
                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + j * ldw + 64 * r);
         COLI_UNROLL
         for (int r = 0; r < T; r++) /* 4 rows ahead: the next tiles' rows arrive while these compute */
-            _mm_prefetch((const char *)(w + (4 + j) * ldw + 64 * r), _MM_HINT_T0);
-        coli_q16v_transpose(W, T);
+            _mm_prefetch((const char *)(w + j * ldw + ahead + 64 * r), _MM_HINT_T0);
+        if (!pre) coli_q16v_transpose(W, T);
         COLI_UNROLL
         for (int t = 0; t < T; t++) V[t] = _mm512_xor_si512(W[t], flip);
         __m512 ws = _mm512_permutexvar_ps(
@@ -320,7 +321,8 @@ static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR
 /* MR tokens (arranged activations xe, lde bytes apart) x NR weight rows of nb groups */
 #define COLI_Q16VTILE(MR, NR)                                                                      \
     static inline void coli_q16vtile_##MR##x##NR(const uint8_t *xe, long lde, const int8_t *w, long ldw, \
-                                                const uint16_t *wd, long ldd, int nb, float *Y, long ldy) { \
+                                                const uint16_t *wd, long ldd, int nb, float *Y, long ldy, \
+                                                long ahead, int pre) {                             \
         enum { NA = (MR * NR + 3) / 4 * 4 };                                                       \
         __m512 acc[NA];                                                                            \
         COLI_UNROLL                                                                                \
@@ -330,10 +332,10 @@ static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR
             int G = coli_q16v_groups(nb - b), n = nb - b < G ? nb - b : G;                         \
             const int8_t *wb = w + (long)b * QK;                                                   \
             switch (G) {                                                                           \
-            case 16: coli_q16v_chunk(MR, NR, 8, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
-            case 8: coli_q16v_chunk(MR, NR, 4, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
-            case 4: coli_q16v_chunk(MR, NR, 2, o, lde, wb, ldw, wd + b, ldd, n, acc); break;       \
-            default: coli_q16v_chunk(MR, NR, 1, o, lde, wb, ldw, wd + b, ldd, n, acc); break;      \
+            case 16: coli_q16v_chunk(MR, NR, 8, o, lde, wb, ldw, wd + b, ldd, n, acc, ahead, pre); break; \
+            case 8: coli_q16v_chunk(MR, NR, 4, o, lde, wb, ldw, wd + b, ldd, n, acc, ahead, pre); break; \
+            case 4: coli_q16v_chunk(MR, NR, 2, o, lde, wb, ldw, wd + b, ldd, n, acc, ahead, pre); break; \
+            default: coli_q16v_chunk(MR, NR, 1, o, lde, wb, ldw, wd + b, ldd, n, acc, ahead, pre); break; \
             }                                                                                      \
             o += 64 * (G + 2);                                                                     \
             b += G;                                                                                \
@@ -354,42 +356,57 @@ COLI_Q16VTILE(7, 1) COLI_Q16VTILE(8, 1)
 static inline int coli_q16v_rows(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 
 static inline void coli_q16vtile(int mr, int nr, const uint8_t *xe, long lde, const int8_t *w, long ldw,
-                                 const uint16_t *wd, long ldd, int nb, float *Y, long ldy) {
-    if (nr == 4) { coli_q16vtile_1x4(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
-    if (nr == 2) { coli_q16vtile_2x2(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); return; }
+                                 const uint16_t *wd, long ldd, int nb, float *Y, long ldy, long ahead, int pre) {
+    if (nr == 4) { coli_q16vtile_1x4(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); return; }
+    if (nr == 2) { coli_q16vtile_2x2(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); return; }
     switch (mr) {
-    case 1: coli_q16vtile_1x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break; /* same bits as in a batch */
-    case 2: coli_q16vtile_2x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    case 3: coli_q16vtile_3x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    case 4: coli_q16vtile_4x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    case 5: coli_q16vtile_5x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    case 6: coli_q16vtile_6x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    case 7: coli_q16vtile_7x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
-    default: coli_q16vtile_8x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy); break;
+    case 1: coli_q16vtile_1x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break; /* same bits as in a batch */
+    case 2: coli_q16vtile_2x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    case 3: coli_q16vtile_3x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    case 4: coli_q16vtile_4x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    case 5: coli_q16vtile_5x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    case 6: coli_q16vtile_6x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    case 7: coli_q16vtile_7x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
+    default: coli_q16vtile_8x1(xe, lde, w, ldw, wd, ldd, nb, Y, ldy, ahead, pre); break;
     }
 }
 
 /* Y[m, n] = dot(act row m, W row n0 + n) for n < nb, W int8 (COLI_Q8), int16 activations
  * arranged (a->xe); up to 8 tokens x 1 row per tile (4 rows for one token, 2 for two), the
- * rows' transposes paid once for the tile's tokens. K: logical columns. */
+ * rows' transposes paid once for the tile's tokens, or not at all for a packed matrix
+ * (coli_q8x_pack; n0 a multiple of 4), whose 4-row tiles hold the rows transposed and their
+ * scales. K: logical columns. */
 static inline void coli_gemm_q16(const coli_act16 *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                  long ldy) {
     int ngroups = (K + QK - 1) / QK;
-    const int8_t *wq = (const int8_t *)W->w + (long)n0 * W->ldw;
-    const uint16_t *wd = W->d + (long)n0 * W->ldd;
+    const int pre = W->pk != NULL;
+    const long rb = coli_q8v_row_bytes(ngroups), sd = 2 * ((ngroups + 1) / 2);
     for (int m = 0; m < M; m += COLI_Q16V_MR) {
         int mr = M - m < COLI_Q16V_MR ? M - m : COLI_Q16V_MR;
         for (int n = 0; n < nb; n += 4) {
+            const int8_t *wq;
+            const uint16_t *wd;
+            long ldw, ldd, ahead;
+            if (pre) { /* tile (n0 + n) / 4: 4 rows of rb bytes, then their scales */
+                wq = (const int8_t *)(W->pk + ((n0 + n) / 4) * W->pks);
+                wd = (const uint16_t *)(const void *)(wq + 4 * rb);
+                ldw = rb, ldd = sd, ahead = W->pks;
+            } else {
+                wq = (const int8_t *)W->w + (long)(n0 + n) * W->ldw;
+                wd = W->d + (long)(n0 + n) * W->ldd;
+                ldw = W->ldw, ldd = W->ldd, ahead = 4 * W->ldw;
+            }
             int n4 = nb - n < 4 ? nb - n : 4, step = coli_q16v_rows(mr);
             for (int r = 0; r < n4; r += step) {
                 int nr = n4 - r < step ? 1 : step;
                 if (nr == 1) step = 1;
-                coli_q16vtile(mr, nr, a->xe + (long)m * a->lde, a->lde, wq + (long)(n + r) * W->ldw, W->ldw,
-                              wd + (long)(n + r) * W->ldd, W->ldd, ngroups, Y + (long)m * ldy + n0 + n + r, ldy);
+                coli_q16vtile(mr, nr, a->xe + (long)m * a->lde, a->lde, wq + (long)r * ldw, ldw, wd + (long)r * ldd,
+                              ldd, ngroups, Y + (long)m * ldy + n0 + n + r, ldy, ahead, pre);
             }
         }
     }
 }
+#define COLI_Q8X_TILES 1 /* this path computes on repacked int8 matrices (QMatrix.pack repacks) */
 #else /* AVX-512 without VNNI: the plain tiles */
 /* MR tokens x NR rows, two groups (64 weights of a row) per step: lanes 0-7 of the int32
  * sums belong to group b, 8-15 to b + 1, scaled by the scales of 16 groups loaded once

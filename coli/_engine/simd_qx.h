@@ -105,6 +105,11 @@ static inline void coli_q4x_row(const coli_mat *W, int r, int K, float *out) {
     }
 }
 
+/* Groups in the chunk of the AVX-512 VNNI int8 tiles (simd_q16.h) that starts with left groups
+ * to go (>= 1); plain C, as the Q8 layout below on that path reads it. */
+static inline int coli_q16v_groups(int left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
+
+#if !defined(COLI_Q512)
 /* ---- Q8 repacked into 4-row tiles (the AVX2 path: QMatrix.pack) ---------------------------
  * The AVX2 int8 tiles (simd_q16.h) spend most of a one-token step bringing 4 rows' groups
  * into (row, group) lanes: 8 loads and 8 inserts, 16 unpacks, and a gather, convert and
@@ -172,6 +177,88 @@ static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
         out[k] = coli_f16_to_f32(d) * (int8_t)o[coli_q8x_at(k / QK, r % 4, k % QK)];
     }
 }
+
+#else
+/* ---- Q8 repacked for AVX-512 VNNI: each row's chunks transposed once, at load -------------
+ * The AVX-512 VNNI int8 tiles (simd_q16.h, coli_q16v_chunk) load a row's chunk of G groups
+ * (G = 16 while 16 are left, then 8, 4, 2) as T = G / 2 registers of two groups each and
+ * transpose them (log2 T stages of two vpermt2d per register pair) so that each int32 lane
+ * sums one group; per row and 16 groups that is 24 permutes, more than a token's 16
+ * multiply-adds. A matrix read every step can hold its rows transposed instead: tile t holds
+ * rows 4t .. 4t + 3 (zeros past the last row), each in RB = 64 ceil(nb / 2) bytes, chunk by
+ * chunk exactly the registers the transpose makes (the odd last group, a chunk of its own,
+ * padded with zeros to 64 bytes), then the rows' f16 scales, 2 ceil(nb / 2) per row:
+ *   byte 32b + 64t + 4m + c of row j    byte 4q + c of group b + r of row 4t + j, for the chunk
+ *                                       starting at group b (T registers), r < 2T, q < 8:
+ *                                       t = q & (T - 1), m = 8 (r & 1) | (q & 7 & ~(T - 1)) | r / 2
+ *   byte 4 RB + 2 (j SD + g)            the f16 scale of row j's group g (SD = 2 ceil(nb / 2))
+ * 272 bytes per 4 rows and 2 groups, as the AVX2 tiles' (the same coli_q8x_tile_bytes). The
+ * kernel's registers are the very registers the transpose made from rows, so a token's result
+ * has the same bits from tiles as from rows, at every token count. Plain C (a packed matrix
+ * still reads as rows: coli_q8x_row); only this path packs int8 so (COLI_Q8X_TILES). */
+#define COLI_Q8X_STEP 272
+
+static inline long coli_q8x_tile_bytes(int K) { return (long)(((K + QK - 1) / QK + 1) / 2) * COLI_Q8X_STEP; }
+static inline long coli_q8v_row_bytes(int nb) { return 64L * ((nb + 1) / 2); }
+/* where byte i of group g lies in a row of the tile */
+static inline long coli_q8v_at(int nb, int g, int i) {
+    int b = 0, G = coli_q16v_groups(nb);
+    while (g >= b + G) {
+        b += G;
+        G = coli_q16v_groups(nb - b);
+    }
+    int T = G / 2, r = g - b, q = i / 4, c = i % 4;
+    int t = q & (T - 1), m = ((r & 1) << 3) | (q & 7 & ~(T - 1)) | (r >> 1);
+    return 32L * b + 64 * t + 4 * m + c;
+}
+static inline long coli_q8v_scale_at(int nb, int g, int j) {
+    return 4 * coli_q8v_row_bytes(nb) + 2 * ((long)j * 2 * ((nb + 1) / 2) + g);
+}
+
+/* pk (N rounded up to 4 rows, coli_q8x_tile_bytes each) = W (COLI_Q8 rows [0, N)) repacked. */
+static inline void coli_q8x_pack(const coli_mat *W, int N, int K, uint8_t *pk) {
+    int nb = (K + QK - 1) / QK;
+    long pks = coli_q8x_tile_bytes(K), rb = coli_q8v_row_bytes(nb);
+    const int8_t *wq = (const int8_t *)W->w;
+    memset(pk, 0, (size_t)((N + 3) / 4) * (size_t)pks);
+    for (int r = 0; r < N; r++) {
+        uint8_t *o = pk + (r / 4) * pks;
+        for (int g = 0; g < nb; g++) {
+            const int8_t *src = wq + (long)r * W->ldw + g * QK;
+            for (int i = 0; i < QK; i += 4) /* dwords: byte i + c lies c after byte i */
+                memcpy(o + (r % 4) * rb + coli_q8v_at(nb, g, i), src + i, 4);
+            memcpy(o + coli_q8v_scale_at(nb, g, r % 4), &W->d[(long)r * W->ldd + g], 2);
+        }
+    }
+}
+
+/* The inverse for rows [0, N): wq (N, ldw) int8 (zeros after the groups), wd (N, ldd) f16. */
+static inline void coli_q8x_unpack(const uint8_t *pk, int N, int K, int8_t *wq, long ldw, uint16_t *wd, long ldd) {
+    int nb = (K + QK - 1) / QK;
+    long pks = coli_q8x_tile_bytes(K), rb = coli_q8v_row_bytes(nb);
+    for (int r = 0; r < N; r++) {
+        const uint8_t *o = pk + (r / 4) * pks;
+        for (int g = 0; g < nb; g++) {
+            for (int i = 0; i < QK; i += 4) memcpy(&wq[r * ldw + g * QK + i], o + (r % 4) * rb + coli_q8v_at(nb, g, i), 4);
+            memcpy(&wd[r * ldd + g], o + coli_q8v_scale_at(nb, g, r % 4), 2);
+        }
+        for (long i = (long)nb * QK; i < ldw; i++) wq[r * ldw + i] = 0;
+    }
+}
+
+/* out[:K] = row r of a repacked Q8 matrix as float32 (as coli_dequant_row computes it). */
+static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
+    int nb = (K + QK - 1) / QK;
+    const uint8_t *o = W->pk + (r / 4) * W->pks;
+    const int8_t *row = (const int8_t *)(o + (r % 4) * coli_q8v_row_bytes(nb));
+    for (int g = 0; g < nb; g++) {
+        uint16_t d;
+        memcpy(&d, o + coli_q8v_scale_at(nb, g, r % 4), 2);
+        float s = coli_f16_to_f32(d);
+        for (int i = 0; i < QK && g * QK + i < K; i++) out[g * QK + i] = s * row[coli_q8v_at(nb, g, i)];
+    }
+}
+#endif
 
 #if defined(COLI_Q512)
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so

@@ -11,8 +11,8 @@ Only the matrices every decode step reads are packed: attention, dense and share
 MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
 cache slots, which read rows). All packed matrices of a model share one buffer, asked
 of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
-the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512,
-f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
+the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512
+without VNNI, f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
 moved into that buffer too where the kernel gives huge pages (Linux with transparent huge
 pages not set to ``never``) and they take at most half the available memory: a mapped
 checkpoint's 4 KB pages cost a TLB miss and a stop of the hardware prefetcher every 4 KB, and
