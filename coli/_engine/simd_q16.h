@@ -607,11 +607,7 @@ static inline __m128 coli_q16x_rows(__m256 v) {
 
 /* The end of a tile: each token's sums of the nr real rows. */
 #define COLI_Q16X_END(MR)                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_q16x_rows(acc[i]));                                           \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
-        }
+        for (int i = 0; i < MR; i++) coli_xt_store(Y + i * ldy, coli_q16x_rows(acc[i]), nr); /* simd_qx.h */
 
 /* MR tokens (arranged activations xe, lde bytes apart) x 4 rows (nr of them real). CH
  * int32 chains per token (two with few tokens, so the multiply-adds' latency overlaps). */
@@ -839,11 +835,10 @@ static inline void coli_q16r_prep_pk(const uint8_t *ta, const uint8_t *tb, int c
                 for (int k = 0; k < 2; k++) _mm256_store_ps(A + i * 16 + 8 * k, acc[i][k]);        \
             return;                                                                                \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[8];                                                                         \
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); \
+        for (int i = 0; i < MR; i++) { /* a masked store: no copy through the stack (simd_qx.h, coli_xt_store) */ \
             __m256 odd = nb & 1 ? _mm256_add_ps(acc[i][1], _mm256_setzero_ps()) : acc[i][1];       \
-            _mm256_storeu_ps(sums, _mm256_add_ps(acc[i][0], odd));                                 \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
+            _mm256_maskstore_ps(Y + i * ldy, keep, _mm256_add_ps(acc[i][0], odd));                 \
         }                                                                                          \
     }
 

@@ -260,6 +260,18 @@ static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
 }
 #endif
 
+/* y[0 .. nr - 1] = the first nr (<= 4) lanes of v. A tile's last rows store with a mask: the
+ * copy through the stack that it replaced became a libc memcpy call of variable size per token
+ * and tile (nr is not a constant in the packed tiles), 5% of a 4-token step's time. */
+#if defined(__AVX__)
+static inline void coli_xt_store(float *y, __m128 v, int nr) {
+    if (nr == 4)
+        _mm_storeu_ps(y, v);
+    else
+        _mm_maskstore_ps(y, _mm_cmpgt_epi32(_mm_set1_epi32(nr), _mm_setr_epi32(0, 1, 2, 3)), v);
+}
+#endif
+
 #if defined(COLI_Q512)
 #define COLI_XT_MIN 1   /* tokens from which coli_gemm_any takes the interleaved tiles: every count, so
                         * a token gets the same bits alone, in a batch or in a verification */
@@ -270,8 +282,8 @@ static inline void coli_q8x_row(const coli_mat *W, int r, int K, float *out) {
  * us instead of 835 (3: about as fast; 5: slower; BENCHMARKS.md, "int4 tiles of 4 tokens"). A
  * token's arithmetic does not depend on which tokens share its tile: the same bits. */
 #define COLI_XT_MR 4
-/* vectors of 64 bytes per token and step: 8 activation dwords, the scale, 8 * the group sum
- * (int32) and scale * sum (float) */
+/* vectors of 64 bytes per token and step: 8 activation dwords, the scale, -8 * the group sum
+ * (int32, where a Q4 step's integer sums start) and scale * sum (float) */
 #define COLI_XE_Q4 11
 
 /* Bytes of coli_expand_act's output per token (0: the interleaved tiles are not used). */
@@ -313,7 +325,7 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
             __m512 xs = _mm512_permutexvar_ps(quad, _mm512_maskz_loadu_ps(gm, qd + 4 * s));
             __m512i sum = _mm512_permutexvar_epi32(quad, _mm512_maskz_loadu_epi32(gm, qs + 4 * s));
             _mm512_store_ps((float *)(o + 8 * 64), xs);
-            _mm512_store_si512((void *)(o + 9 * 64), _mm512_slli_epi32(sum, 3));
+            _mm512_store_si512((void *)(o + 9 * 64), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3)));
             _mm512_store_ps((float *)(o + 10 * 64), _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sum)));
         }
     }
@@ -361,12 +373,12 @@ static inline __m512 coli_xt_scales4(const uint16_t *d, long ldd, int g0, int n)
     return _mm512_permutexvar_ps(t, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(r01), r23, 1)));
 }
 /* Each int32 lane's sum over the 8 weight vectors w[q] (unsigned nibbles) times the token's
- * arranged activations at o + 64q: two chains of 4 vpdpbusd added at the end (integer sums,
+ * arranged activations at o + 64q, plus init: two chains of 4 vpdpbusd added at the end (integer sums,
  * exact in any order: the same result as one chain), so a step's 8 multiply-adds are not one
  * chain of 8 latencies. With one token the tiles are compute-bound from L2: a 4608 x 576
  * int4 matrix, cache-hot, 1 thread, 6-9% faster than one chain (BENCHMARKS.md). */
-static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
-    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512((const void *)o));
+static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o, __m512i init) {
+    __m512i d0 = _mm512_dpbusd_epi32(init, w[0], _mm512_load_si512((const void *)o));
     __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_load_si512((const void *)(o + 64)));
     for (int q = 2; q < 8; q += 2) {
         d0 = _mm512_dpbusd_epi32(d0, w[q], _mm512_load_si512((const void *)(o + q * 64)));
@@ -392,8 +404,7 @@ static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
         __m512 wmn = ASYM ? coli_xt_scales4(wm, ldd, b, n) : ws;                                   \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64);                    \
-            __m512i d = coli_q4x_dot8_512(w, o);                                                   \
-            if (!ASYM) d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 9 * 64)));     \
+            __m512i d = coli_q4x_dot8_512(w, o, ASYM ? _mm512_setzero_si512() : _mm512_load_si512((const void *)(o + 9 * 64))); \
             __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 8 * 64)));            \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
             if (ASYM) acc[i] = _mm512_fmadd_ps(wmn, _mm512_load_ps((const float *)(o + 10 * 64)), acc[i]); \
@@ -402,15 +413,12 @@ static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
 
 /* The end of an interleaved tile: each token's sums of its first NR (<= 4) rows. */
 #define COLI_XT_END(MR, NR)                                                                        \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, coli_xt_rows(acc[i]));                                             \
-            for (int j = 0; j < (NR); j++) Y[i * ldy + j] = sums[j];                               \
-        }
+        for (int i = 0; i < MR; i++) coli_xt_store(Y + i * ldy, coli_xt_rows(acc[i]), (NR));
 
 /* Q4 (ASYM 0) / Q4A (ASYM 1): MR tokens x 4 rows, 4 groups per step, the last step masked
- * to the groups left. Q4's offset of 8 is taken off in the integers (8 * the group's sum,
- * from xe); Q4A's min adds m * scale * sum. */
+ * to the groups left. Q4's offset of 8 is taken off in the integers: a token's sums start at
+ * -8 * the group's sum, from xe (no subtraction a token and step); Q4A's min adds
+ * m * scale * sum. */
 #define COLI_Q4XTILE512(NAME, MR, ASYM)                                                            \
     static inline void NAME##_x##MR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                     long ldw, long ldd, int nb, float *Y, long ldy) {              \
@@ -453,8 +461,7 @@ static inline __m512i coli_q4x_dot8_512(const __m512i *w, const int8_t *o) {
                                                              : _mm256_loadu_si256((const __m256i *)(const void *)(p + 288))); \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64);                    \
-            __m512i d = coli_q4x_dot8_512(w, o);                                                   \
-            if (!ASYM) d = _mm512_sub_epi32(d, _mm512_load_si512((const void *)(o + 9 * 64)));     \
+            __m512i d = coli_q4x_dot8_512(w, o, ASYM ? _mm512_setzero_si512() : _mm512_load_si512((const void *)(o + 9 * 64))); \
             __m512 sc = _mm512_mul_ps(ws, _mm512_load_ps((const float *)(o + 8 * 64)));            \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);                           \
             if (ASYM) acc[i] = _mm512_fmadd_ps(wmn, _mm512_load_ps((const float *)(o + 10 * 64)), acc[i]); \
@@ -665,11 +672,8 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
                 COLI_Q4XHALF256(MR, ASYM, 1, gs, n2)                                               \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MR; i++) {                                                             \
-            float sums[4];                                                                         \
-            _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1))); \
-            for (int j = 0; j < nr; j++) Y[i * ldy + j] = sums[j];                                 \
-        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            coli_xt_store(Y + i * ldy, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), nr); \
     }
 #define COLI_PKTILES256(NAME, ASYM)                                                                \
     COLI_Q4XTILE256_PK(NAME, 1, ASYM) COLI_Q4XTILE256_PK(NAME, 2, ASYM) COLI_Q4XTILE256_PK(NAME, 3, ASYM) \
