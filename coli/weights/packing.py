@@ -1,11 +1,11 @@
 """Dense int4 and int8 matrices rearranged, once at load, into the tiles the kernels read fastest.
 
-On the AVX-512 VNNI and AVX2 paths an int4 / int4s matrix, and on AVX2 an int8 one, can be
-held in 4-row tiles (``QMatrix.pack``; the layouts are in coli/_engine/simd_qx.h): a decode
-step then spends no instructions rearranging weights, several tokens share each step's
-unpacking, and the matrix is one sequential stream. int4 on AVX-512 VNNI and int8 on AVX2
-give the same bits as the row layout's tiles; int4 on AVX2 gives a token the same bits alone
-or in a batch.
+On the AVX-512 VNNI and AVX2 paths an int4 / int4s or int8 matrix can be held in 4-row
+tiles (``QMatrix.pack``; the layouts are in coli/_engine/simd_qx.h): a decode step then
+spends no instructions rearranging weights, several tokens share each step's unpacking, and
+the matrix is one sequential stream. int4 on AVX-512 VNNI and int8 on both paths give the
+same bits as the row layout's tiles; int4 on AVX2 gives a token the same bits alone or in a
+batch.
 
 Only the matrices every decode step reads are packed: attention, dense and shared-expert
 MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
