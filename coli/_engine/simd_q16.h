@@ -294,8 +294,12 @@ static inline __attribute__((always_inline)) void coli_q16v_chunk(int MR, int NR
             W[r] = 2 * r + 1 < n ? _mm512_loadu_si512((const void *)(w + j * ldw + 64 * r))
                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + j * ldw + 64 * r);
         COLI_UNROLL
-        for (int r = 0; r < T; r++) /* 4 rows ahead: the next tiles' rows arrive while these compute */
+        for (int r = 0; r < T; r++) { /* 4 rows ahead: the next tiles' rows arrive while these compute */
             _mm_prefetch((const char *)(w + j * ldw + ahead + 64 * r), _MM_HINT_T0);
+            /* and 8 rows ahead into L2 where a row serves few tokens (see COLI_Q4X_NEAR; with 5-8
+             * tokens, prefill's tiles, no faster, and int8 prefill from L2 4% slower) */
+            if (MR <= 4) _mm_prefetch((const char *)(w + j * ldw + 2 * ahead + 64 * r), _MM_HINT_T1);
+        }
         if (!pre) coli_q16v_transpose(W, T);
         COLI_UNROLL
         for (int t = 0; t < T; t++) V[t] = _mm512_xor_si512(W[t], flip);
@@ -674,7 +678,7 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
         const uint8_t *p = pk;                                                                     \
         for (int s = 0; 2 * s < nb; s++, p += COLI_Q8X_STEP) {                                     \
             coli_q16v Q[8];                                                                        \
-            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q8X_AHEAD + 64 * q), _MM_HINT_T0); \
+            COLI_STREAM_PREFETCH5(p, COLI_Q8X_AHEAD)                                               \
             for (int q = 0; q < 8; q++) Q[q] = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * q)); \
             coli_q16f ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 256))); \
             const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \

@@ -34,6 +34,19 @@ static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 :
  * faster than the rows, 2560 and 8192 3%, no prefetch 14% slower, into L2 (T1) at 4096-16384 no
  * better than the rows. The AVX2 tiles use the same distance. */
 #define COLI_Q4X_AHEAD 4096
+/* ... and since the twenty-sixth session the far lines go into L2 (T1) and the line
+ * COLI_Q4X_NEAR bytes ahead into L1: from memory, one thread's L1 misses in flight (its fill
+ * buffers) cap a stream that prefetches into L1 far below a plain read, while prefetches into
+ * L2 keep more lines coming. One thread, a 604 MB packed 2048-column int4 matrix, one token:
+ * 12.0 -> 14.2 GB/s (a plain read of its bytes: 14.6); a 38 MB one from L3: 22.6-23.3 ->
+ * 24.5-25.9 (BENCHMARKS.md, "Prefetching into L2"). */
+#define COLI_Q4X_NEAR 1024
+/* a packed tile's step: its 5 lines COLI_Q4X_AHEAD bytes ahead into L2, COLI_Q4X_NEAR into L1 */
+#define COLI_STREAM_PREFETCH5(p, far)                                                              \
+    for (int q_ = 0; q_ < 5; q_++) {                                                               \
+        _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1);                         \
+        _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);                 \
+    }
 
 /* Bytes of one 4-row tile of a K-column matrix. */
 static inline long coli_q4x_tile_bytes(int fmt, int K) { return (K + QK - 1) / QK * coli_q4x_group_bytes(fmt); }
@@ -393,8 +406,10 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
     {                                                                                              \
         __m512i T[4], w[8];                                                                        \
         if (!(MASKED))                                                                             \
-            for (int j = 0; j < 4; j++)                                                            \
+            for (int j = 0; j < 4; j++) { /* the next tile's rows into L1, the one after into L2 */ \
                 _mm_prefetch((const char *)(wq + (4 + j) * ldw + b * 16), _MM_HINT_T0);            \
+                _mm_prefetch((const char *)(wq + (8 + j) * ldw + b * 16), _MM_HINT_T1);            \
+            }                                                                                      \
         COLI_XT_LOAD4(T, wq, ldw, b * 16, MASKED, (n) == 4 ? ~0ull : (1ull << (16 * (n))) - 1);    \
         for (int p = 0; p < 4; p++) {                                                              \
             w[p] = _mm512_and_si512(T[p], m4);                                                     \
@@ -448,7 +463,7 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
     {                                                                                              \
         __m512i w[8];                                                                              \
         if (!(MASKED)) /* a step's 5 lines, COLI_Q4X_AHEAD bytes ahead */                         \
-            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
+            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD)                                               \
         for (int q = 0; q < 4; q++) {                                                              \
             __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((n) >= 4 ? ~0ull : (1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
                                  : _mm512_loadu_si512((const void *)(p + 64 * q));                 \
@@ -662,7 +677,7 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
         const uint8_t *p = pk;                                                                     \
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4, p += 4 * (ASYM ? 80 : 72)) {                                   \
-            for (int q = 0; q < 5; q++) _mm_prefetch((const char *)(p + COLI_Q4X_AHEAD + 64 * q), _MM_HINT_T0); \
+            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD)                                               \
             for (int h = 0; h < 2; h++) COLI_Q4XHALF256(MR, ASYM, 0, 4, 2)                         \
         }                                                                                          \
         if (b < nb) { /* a short last step of gs groups: its halves' registers zero past them */    \
