@@ -28,18 +28,15 @@
  * down), and only where a path has them (COLI_Q4X_TILES) does QMatrix.pack repack. */
 static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 : 72; } /* per group of 4 rows */
 
-/* Bytes ahead of a step that the packed tiles prefetch into L1: ~13 steps, most of a 576-column
- * tile or the start of the next (the matrix is one stream). With SmolLM2-135M int4 at 2 threads
- * on AVX-512 VNNI, decode steps alternated with the row layout's: 4096 and 6144 bytes 4-5%
- * faster than the rows, 2560 and 8192 3%, no prefetch 14% slower, into L2 (T1) at 4096-16384 no
- * better than the rows. The AVX2 tiles use the same distance. */
+/* A packed tile's weights are one stream; each step prefetches its lines COLI_Q4X_AHEAD bytes
+ * ahead (~13 steps: most of a 576-column tile or the start of the next) into L2, and
+ * COLI_Q4X_NEAR bytes ahead into L1. Prefetching only into L1 (at 4096, 4-5% faster than the
+ * row layout on SmolLM2-135M int4, 2 threads; no prefetch 14% slower) caps a stream from memory at
+ * the L1 misses one thread keeps in flight: one thread, a 604 MB packed 2048-column int4
+ * matrix, one token, 12.0 GB/s into L1 against 14.2 into L2 + L1 (a plain read of its bytes:
+ * 14.6); a 38 MB one from L3 22.6-23.3 against 24.5-25.9 (BENCHMARKS.md, "Prefetching into
+ * L2"). The AVX2 tiles and the packed int8 tiles use the same distances. */
 #define COLI_Q4X_AHEAD 4096
-/* ... and since the twenty-sixth session the far lines go into L2 (T1) and the line
- * COLI_Q4X_NEAR bytes ahead into L1: from memory, one thread's L1 misses in flight (its fill
- * buffers) cap a stream that prefetches into L1 far below a plain read, while prefetches into
- * L2 keep more lines coming. One thread, a 604 MB packed 2048-column int4 matrix, one token:
- * 12.0 -> 14.2 GB/s (a plain read of its bytes: 14.6); a 38 MB one from L3: 22.6-23.3 ->
- * 24.5-25.9 (BENCHMARKS.md, "Prefetching into L2"). */
 #define COLI_Q4X_NEAR 1024
 /* a packed tile's step: its 5 lines COLI_Q4X_AHEAD bytes ahead into L2, COLI_Q4X_NEAR into L1 */
 #define COLI_STREAM_PREFETCH5(p, far)                                                              \
@@ -462,7 +459,7 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
 #define COLI_Q4XSTEP_PK(MR, ASYM, MASKED, n)                                                       \
     {                                                                                              \
         __m512i w[8];                                                                              \
-        if (!(MASKED)) /* a step's 5 lines, COLI_Q4X_AHEAD bytes ahead */                         \
+        if (!(MASKED)) /* a step's 5 lines ahead (COLI_STREAM_PREFETCH5) */                       \
             COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD)                                               \
         for (int q = 0; q < 4; q++) {                                                              \
             __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((n) >= 4 ? ~0ull : (1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
