@@ -5,6 +5,7 @@ by side in one process.
     COLI_SIMD=avx2 python benchmarks/bench_packing.py -m /work/models/smollm2-int8 --format int8 --kernels
     python benchmarks/bench_packing.py -m /work/models/smollm2-int4 --threads 2 --streams 4
     python benchmarks/bench_packing.py --synthetic olmoe-1b-7b --threads 2 --steps 60
+    python benchmarks/bench_packing.py -m /work/models/olmoe-mini-int8 --format int8 --experts --prefill 128
 
 The model is loaded twice, with COLI_PACK=0 and =1, each prefilled with --prompt tokens
 (per stream), then decode steps alternate between the two (one step of each, in turns
@@ -16,8 +17,9 @@ tokens with the matrix in cache (the compute alone). Needs a path with packed ti
 --format (int4: AVX-512 VNNI, AVX2, AVX-512; int8: AVX-512 VNNI, AVX2; COLI_SIMD=avx2 forces
 AVX2), or a kernel that gives transparent huge pages: then COLI_PACK=1 holds the rows of the
 matrices a path does not pack (int8 on AVX-512 without VNNI) in huge pages, COLI_PACK=0 reads
-them from the checkpoint's mapping, and the decode and prefill steps compare those. Both
-models stay loaded for the decode and the prefill steps.
+them from the checkpoint's mapping, and the decode and prefill steps compare those. With
+--experts both pack their dense matrices and only the packed one its resident int8 routed
+experts (pack_experts). Both models stay loaded for the decode and the prefill steps.
 """
 from __future__ import annotations
 
@@ -37,19 +39,24 @@ import coli  # noqa: E402
 from coli import synthetic  # noqa: E402
 from coli._engine import kernels as K  # noqa: E402
 from coli.quant import quantize  # noqa: E402
-from coli.weights.packing import huge_pages, pack_dense  # noqa: E402
+from coli.weights.packing import huge_pages, pack_dense, pack_experts  # noqa: E402
 
 
-def _load(path: str, threads: int, pack: bool, moves_only: bool = False):
+def _load(path: str, threads: int, pack: bool, moves_only: bool = False, experts_only: bool = False):
     """The model with COLI_PACK=1 (pack) or 0; with moves_only both pack their tiles and only
-    the pack one moves the other dense rows into huge pages (the other reads them mapped)."""
-    os.environ["COLI_PACK"] = "1" if pack and not moves_only else "0"
+    the pack one moves the other dense rows into huge pages (the other reads them mapped);
+    with experts_only both pack their dense matrices and only the pack one its experts."""
+    os.environ["COLI_PACK"] = "1" if pack and not (moves_only or experts_only) else "0"
     try:
         model = coli.load(path, threads=threads)
     finally:
         os.environ.pop("COLI_PACK", None)
     if moves_only:
         pack_dense(model.engine.model, huge=pack)
+    if experts_only:
+        pack_dense(model.engine.model)
+        if pack and not pack_experts(model.engine.model):
+            sys.exit(f"bench_packing: {path} has no resident int8 experts this path packs")
     return model
 
 
@@ -136,8 +143,13 @@ def main() -> None:
     ap.add_argument("--moves", action="store_true",
                     help="both settings pack their tiles; compare only the other dense rows mapped against "
                          "moved into huge pages (needs transparent huge pages)")
+    ap.add_argument("--experts", action="store_true",
+                    help="both settings pack their dense matrices; compare resident int8 experts in rows "
+                         "against packed")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.experts and (a.moves or a.kernels):
+        sys.exit("bench_packing: --experts compares the experts alone (drop --moves and --kernels)")
     if a.moves and not huge_pages():
         sys.exit("bench_packing: --moves needs transparent huge pages, which this kernel does not give")
     tiles = quantize(np.ones((4, 32), np.float32), a.format).packed_bytes > 0
@@ -158,8 +170,9 @@ def main() -> None:
     if not path:
         sys.exit("bench_packing: give -m MODEL or --synthetic NAME")
     os.environ.setdefault("COLI_ADAPTIVE_THREADS", "0")  # the same thread count all along
-    engines = {pack: _load(path, a.threads, pack, a.moves).engine for pack in (False, True)}
-    res = dict(model=a.model or a.synthetic, format=a.format, moves=a.moves, simd=K.simd_name(), threads=a.threads,
+    engines = {pack: _load(path, a.threads, pack, a.moves, a.experts).engine for pack in (False, True)}
+    res = dict(model=a.model or a.synthetic, format=a.format, moves=a.moves, experts=a.experts, simd=K.simd_name(),
+               threads=a.threads,
                streams=a.streams,
                steps=a.steps, prompt=a.prompt, load=os.getloadavg()[0],
                decode=decode(engines, a.steps, a.prompt, a.streams))
@@ -171,7 +184,8 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     d = res["decode"]
-    a_, b_ = ("mapped rows", "moved rows") if a.moves else ("rows", "packed")
+    a_, b_ = (("mapped rows", "moved rows") if a.moves else ("experts in rows", "experts packed") if a.experts
+              else ("rows", "packed"))
     print(f"{res['model']} ({res['simd']}, {a.threads} threads, {a.streams} stream(s), load {res['load']:.1f}): "
           f"median step {a_} {d['rows_ms']:.3f} ms, {b_} {d['packed_ms']:.3f} ms: {d['speedup']:.3f}x "
           f"({d['tok_s_rows']:.1f} -> {d['tok_s_packed']:.1f} tok/s)")

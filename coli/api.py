@@ -26,7 +26,7 @@ from coli.tokenizer import IncrementalDetokenizer, Tokenizer
 from coli.weights.safetensors import Checkpoint
 from coli.weights.converted import ConvertedWeights, is_converted
 from coli.weights.gguf import is_gguf, open_gguf
-from coli.weights.packing import pack_dense
+from coli.weights.packing import pack_dense, pack_experts
 from coli.weights.source import HFWeights
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -113,6 +113,7 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None,
     net = build_model(cfg, weights)
     weights.finish()
     pack_dense(net)
+    pack_experts(net)
     engine = Engine(net, threads=threads, max_context=max_context, weights=weights, kv_cache_dtype=kv_cache_dtype)
     model = Model(model_dir, cfg, tokenizer, engine, weights)
     model.plan = plan

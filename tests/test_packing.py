@@ -7,6 +7,7 @@ the logits of the unpacked one. Every path this machine has runs this file
 (test_every_path_passes_the_packing_tests)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -430,3 +431,128 @@ def test_an_expert_is_never_packed_and_arrays_unpack_once():
     rows = tuple(a.copy() for a in m.arrays())
     m.pack()
     assert all(np.array_equal(a, b) for a, b in zip(m.arrays(), rows))
+
+
+def _packed_copy(m):
+    """A packed QMatrix over copies of m's rows (m itself may sit in a table)."""
+    data, scales, mins = (None if a is None else a.copy() for a in m.arrays())
+    q = K.QMatrix(m.fmt, data, scales, m.rows, m.cols, mins)
+    assert q.pack()
+    return q
+
+
+@needs_tiles8
+@pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98),
+                                       (40, 4, 2, 64, 36)])
+@pytest.mark.parametrize("act", [0, 1])
+def test_packed_int8_experts_give_the_bits_of_their_rows(M, E, k, H, I, act):
+    """moe_experts over int8 experts held in tiles gives the very bits of the same experts in
+    rows: one token, several per expert, the row-lane tiles (9 and more), rows and columns no
+    multiple of 4 or of a group."""
+    rng = np.random.default_rng(M * 100 + H)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    idx = np.stack([rng.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
+    w = rng.random((M, k)).astype(np.float32)
+    rows, tiles = K.ExpertTable(E, H, I, K.FORMATS["int8"]), K.ExpertTable(E, H, I, K.FORMATS["int8"])
+    for e in range(E):
+        mats = [quantize((rng.standard_normal(s) * 0.3).astype(np.float32), "int8") for s in ((I, H), (I, H), (H, I))]
+        rows.set(e, *mats)
+        tiles.set(e, *(_packed_copy(m) for m in mats))
+    assert all(m.packed for e in range(E) for m in tiles.get(e))
+    outs = []
+    for table in (rows, tiles):
+        out, counts = np.full((M, H), np.nan, np.float32), np.zeros(E, np.int64)
+        K.moe_experts(x, idx, w, table, out, K.MoEScratch(M, k, E, H, I), counts, act)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert np.isfinite(outs[0]).all()
+
+
+@needs_tiles
+def test_a_table_refuses_packed_int4_experts():
+    rng = np.random.default_rng(9)
+    gate = _packed_copy(quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4"))
+    up = quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4")
+    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "int4")
+    with pytest.raises(ValueError, match="packed int4.*only int8 experts"):
+        K.ExpertTable(1, 64, 8, K.FORMATS["int4"]).set(0, gate, up, down)
+
+
+@pytest.fixture(scope="module")
+def moes(tmp_path_factory):
+    """Two seeded qwen3_moe checkpoints converted to int8: "whole", every expert dimension a
+    multiple of 64 (the tiles take the rows' room); "odd", rows and columns no multiple of 4
+    (the tiles take more)."""
+    from coli.weights.convert import convert
+
+    out = {}
+    for name, (hidden, inter) in {"whole": (128, 64), "odd": (72, 50)}.items():
+        d = tmp_path_factory.mktemp(f"packing-moe-{name}")
+        make_hf_model("qwen3_moe", d / "hf", seed=4, hidden_size=hidden, num_hidden_layers=2, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=inter, norm_topk_prob=True)
+        out[name] = (d / "hf", convert(d / "hf", d / "int8", "int8"))
+    return out
+
+
+def _experts(model):
+    return [m for moe in model.engine.model.moe_layers for e in range(moe.table.n_experts) for m in moe.table.get(e)]
+
+
+@needs_tiles8
+@pytest.mark.parametrize("shape", ["whole", "odd"])
+def test_resident_int8_experts_are_packed_with_the_same_logits(moes, monkeypatch, shape):
+    """A converted model read whole: its experts' tiles take the place of their rows in the
+    buffer experts.bin was read into where they fit (no second copy), else the rows' pages are
+    given back; the rows read back unchanged, and the logits are the very bits of the unpacked
+    model's."""
+    from coli.weights.packing import pack_experts
+
+    conv = moes[shape][1]
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(conv, threads=2)
+    assert rows.weights.store.resident and not any(m.packed for m in _experts(rows))
+    monkeypatch.delenv("COLI_PACK")
+    packed = coli.load(conv, threads=2)
+    assert all(m.packed for m in _experts(packed))
+    assert pack_experts(packed.engine.model) == 0  # done once
+    for r, p in zip(_steps(rows), _steps(packed)):
+        np.testing.assert_array_equal(p, r)
+    store = packed.weights.store
+    file = np.fromfile(store.path, np.uint8)
+    tiles = sum(m.nbytes for m in _experts(packed))
+    if shape == "whole":
+        assert tiles <= store.total_bytes
+        assert not np.array_equal(store._all, file)  # the buffer now holds tiles
+    else:
+        assert tiles > store.total_bytes
+        assert not store._all[4096:-4096].any()  # its pages were given back (they read as zeros)
+    for a, b in zip(_experts(rows), _experts(packed)):
+        assert all(np.array_equal(x, y) for x, y in zip(a.arrays(), b.arrays()) if x is not None)
+
+
+@needs_tiles8
+def test_streamed_experts_keep_their_rows(moes):
+    conv = moes["whole"][1]
+    budget = json.loads((conv / "coli.json").read_text())["experts"]["bytes"] // 3
+    streamed = coli.load(conv, threads=2, ram_budget=budget, pin=0)
+    assert not streamed.weights.store.resident
+    assert not any(m is not None and m.packed for m in _experts(streamed))
+    resident = coli.load(conv, threads=2)
+    ids = list(range(3, 40))
+    np.testing.assert_array_equal(streamed.forward(ids), resident.forward(ids))
+
+
+@needs_tiles8
+@pytest.mark.parametrize("shape", ["whole", "odd"])
+def test_int8_experts_quantized_at_load_are_packed_with_the_same_logits(moes, monkeypatch, shape):
+    """Experts quantized from a Hugging Face checkpoint get a huge-page buffer of their own."""
+    hf = moes[shape][0]
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(hf, threads=2, quant="int8")
+    monkeypatch.delenv("COLI_PACK")
+    packed = coli.load(hf, threads=2, quant="int8")
+    assert all(m.packed for m in _experts(packed)) and not any(m.packed for m in _experts(rows))
+    for r, p in zip(_steps(rows), _steps(packed)):
+        np.testing.assert_array_equal(p, r)
+    int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts stay in rows
+    assert not any(m.packed for m in _experts(int4))

@@ -530,7 +530,9 @@ cdef class ExpertTable:
     """The gate, up and down matrices of every expert of one MoE layer, all in one format.
 
     Entries can be replaced at any time (``set``): the table only points at them, so
-    experts can live in a mapped file, one stacked tensor, or a cache of slots."""
+    experts can live in a mapped file, one stacked tensor, or a cache of slots. int8
+    experts may be packed (QMatrix.pack: resident ones are, coli.weights.packing), the same
+    bits as their rows; other formats stay in rows."""
     cdef coli_mat *mats        # (E, 3): gate, up, down
     cdef readonly int n_experts, hidden, inter, fmt
     cdef list _keep
@@ -551,8 +553,10 @@ cdef class ExpertTable:
         if not 0 <= e < self.n_experts:
             raise IndexError(e)
         for q, r, c in ((gate, self.inter, self.hidden), (up, self.inter, self.hidden), (down, self.hidden, self.inter)):
-            if q.packed:  # moe_experts may compute a call's experts on the plain tiles, which read rows
-                raise ValueError(f"ExpertTable.set: expert {e} matrix is packed (QMatrix.pack); experts stay in rows")
+            if q.packed and q.fmt != COLI_Q8:  # int8 experts take coli_gemm_q16, which reads tiles or rows;
+                # int4 experts may take the plain tiles, which read rows
+                raise ValueError(f"ExpertTable.set: expert {e} matrix is a packed {q.format} (QMatrix.pack); only "
+                                 "int8 experts are computed on tiles, others stay in rows")
             if q.fmt != self.fmt or q.rows != r or q.cols != c:
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is {q.format} ({q.rows}, {q.cols}), "
                                  f"expected {FORMAT_NAMES[self.fmt]} ({r}, {c})")

@@ -36,6 +36,7 @@ from coli._engine import kernels as K
 from coli.engine import available_memory
 from coli.errors import ModelLoadError
 from coli.experts.usage import USAGE_FILE, Usage, state_dir
+from coli.weights.packing import huge_buffer
 from coli.weights.source import ResidentExperts
 
 PAGE = 4096
@@ -98,7 +99,7 @@ class ExpertStore:
 
     # ---- I/O
     def _read_all(self) -> None:
-        self._all = aligned_buffer(self.total_bytes)
+        self._all = huge_buffer(self.total_bytes)  # (pack_experts packs them in place)
         n = 0
         if self.total_bytes:
             view = memoryview(self._all)
@@ -165,7 +166,8 @@ class ExpertStore:
             for e in range(E):
                 i = info["first"] + e
                 table.set(e, *self.expert_mats(self._all[i * self.stride : (i + 1) * self.stride]))
-            src = ResidentExperts(table)
+            first = info["first"]
+            src = ResidentExperts(table, self._all[first * self.stride : (first + E) * self.stride])
         else:
             n_moe = len(self.layers_info)
             slots = min(E, max(k, (self.ram_budget // self.stride) // n_moe))

@@ -7,9 +7,12 @@ the matrix is one sequential stream. int4 on AVX-512 VNNI and int8 on both paths
 same bits as the row layout's tiles; int4 on AVX2 gives a token the same bits alone or in a
 batch.
 
-Only the matrices every decode step reads are packed: attention, dense and shared-expert
-MLPs and the head. Routed experts keep their rows (they may be streamed from disk into
-cache slots, which read rows). All packed matrices of a model share one buffer, asked
+The matrices every decode step reads are packed: attention, dense and shared-expert MLPs and
+the head (:func:`pack_dense`), and the routed experts of layers held wholly in memory where
+they are int8 (:func:`pack_experts`): every expert matrix goes through coli_gemm_q16, which
+reads tiles or rows alike. int4 experts and streamed layers keep their rows (the plain
+multi-token tiles an int4 expert may take read rows; cache slots are filled by reads of the
+file's rows). All packed dense matrices of a model share one buffer, asked
 of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
 the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512
 without VNNI, f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
@@ -132,6 +135,26 @@ def drop_file_pages(arrays) -> int:
     return done
 
 
+def release_pages(a: np.ndarray) -> int:
+    """Give back to the kernel the whole pages inside ``a``, an array in a buffer of
+    :func:`huge_buffer`'s that nothing will read again (they would read as zeros); returns the
+    bytes released (0 for other memory, left alone)."""
+    b = _owner(a)
+    b = b.obj if isinstance(b, memoryview) else b
+    if not (isinstance(b, mmap.mmap) and b in _ARENAS and hasattr(mmap, "MADV_DONTNEED")):
+        return 0
+    start = a.ctypes.data - np.frombuffer(b, np.uint8).ctypes.data
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return 0
+    try:
+        b.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        return 0
+    return hi - lo
+
+
 def pack_dense(model, env=None, huge: bool | None = None) -> int:
     """Pack the model's dense int4 / int8 matrices where this path has their tiles, and move
     the rows of the others into the same huge-page buffer where the kernel gives huge pages
@@ -167,6 +190,65 @@ def pack_dense(model, env=None, huge: bool | None = None) -> int:
         off += -(-n // 64) * 64
     drop_file_pages(mapped)
     return sum(n for _, n, _ in mats)
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def pack_experts(model, env=None) -> int:
+    """Pack the int8 experts of every MoE layer held wholly in memory where this path has
+    their tiles, unless ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in
+    one buffer of their own (``ResidentExperts.region``: a converted model's experts.bin, read
+    into huge pages) is packed into that buffer, through a copy of one layer at a time, so the
+    load never holds more than one layer twice; where the tiles take more room than the rows
+    (rows no multiple of 4, columns narrower than a tile), or for any other layer, the tiles
+    get a huge-page buffer of their own and the rows' memory is given back (a region's pages
+    by :func:`release_pages`, a mapped file's by :func:`drop_file_pages`)."""
+    from coli._engine import kernels as K
+
+    if not env_switch(ENV, env):
+        return 0
+    done = 0
+    for moe in getattr(model, "moe_layers", []):
+        src = getattr(moe, "experts", None)
+        table = getattr(src, "table", None)
+        if table is None or getattr(src, "streamed", True) or table.fmt != K.FORMATS["int8"]:
+            continue
+        trios = [table.get(e) for e in range(table.n_experts)]
+        if any(m is None or not m.packed_bytes for t in trios for m in t):
+            continue  # packed already, or this path keeps int8 rows (AVX-512 without VNNI, scalar)
+        total = sum(_round64(m.packed_bytes) for t in trios for m in t)
+        region = getattr(src, "region", None)
+        if region is not None and region.nbytes >= total and region.ctypes.data % 64 == 0:
+            rows, arena = region.copy(), region  # the rows move aside; the tiles take their place
+            base = region.ctypes.data
+
+            def moved(a):
+                o = a.ctypes.data - base
+                if a.nbytes and not 0 <= o <= region.nbytes - a.nbytes:
+                    raise ValueError("pack_experts: an expert's rows lie outside its layer's region")
+                return rows[o: o + a.nbytes].view(a.dtype).reshape(a.shape)
+        else:  # rows that do not fit (a wider tile, 4-row padding): tiles of their own
+            arena, moved = huge_buffer(total), (lambda a: a)
+        mapped, off = [], 0
+        for e, trio in enumerate(trios):
+            tiles = []
+            for m in trio:
+                data, scales, mins = m.arrays()
+                mapped += [a for a in (data, scales, mins) if a is not None and _mapped_file(a) is not None]
+                q = K.QMatrix(m.fmt, moved(data), moved(scales), m.rows, m.cols,
+                              None if mins is None else moved(mins))
+                n = q.packed_bytes
+                q.pack(arena[off: off + n])
+                off += _round64(n)
+                tiles.append(q)
+            table.set(e, *tiles)
+        drop_file_pages(mapped)
+        if region is not None and arena is not region:
+            release_pages(region)  # nothing reads the rows any more
+        done += total
+    return done
 
 
 def _room_for(nbytes: int) -> bool:

@@ -24,12 +24,16 @@ def default_head_quant(quant: str) -> str:
 
 
 class ResidentExperts:
-    """Every expert of a layer in memory: nothing to read, one group covering all."""
+    """Every expert of a layer in memory: nothing to read, one group covering all.
+
+    ``region``: the one buffer all of the layer's expert arrays lie in, if they do (a
+    converted model's experts, read whole), which coli.weights.packing may pack them into."""
 
     streamed = False
 
-    def __init__(self, table: K.ExpertTable):
+    def __init__(self, table: K.ExpertTable, region: np.ndarray | None = None):
         self.table = table
+        self.region = region
         self.counts = np.zeros(table.n_experts, dtype=np.int64)  # tokens routed to each expert
 
     def groups(self, idx: np.ndarray) -> list[None]:
