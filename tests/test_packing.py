@@ -194,17 +194,13 @@ def test_a_long_call_runs_in_chunks_of_tokens_with_the_same_bits():
 
 
 @needs_tiles
-def test_pack_checks_its_buffer_and_experts_stay_in_rows():
+def test_pack_checks_its_buffer_and_what_has_no_tiles_stays_in_rows():
     rng = np.random.default_rng(5)
     m = quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4")
     buf = _refuses_bad_buffers(m.pack, m.packed_bytes)
     assert not m.packed
     assert m.pack(buf) and m.packed and m.packed_bytes == 0 and not m.pack()
     assert buf.any()  # it lives in the caller's buffer
-    table = K.ExpertTable(1, 64, 8, K.FORMATS["int4"])
-    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "int4")
-    with pytest.raises(ValueError, match="packed"):
-        table.set(0, m, m, down)
     for fmt in ("f32", "bf16", "int8"):
         other = quantize(rng.standard_normal((8, 64)).astype(np.float32), fmt)
         if fmt == "int8" and PACKS8:
@@ -441,24 +437,43 @@ def _packed_copy(m):
     return q
 
 
-@needs_tiles8
-@pytest.mark.parametrize("M,E,k,H,I", [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98),
-                                       (40, 4, 2, 64, 36)])
+INT4_EXPERTS = getattr(K, "INT4_EXPERT_TILES", False)
+needs_int4_experts = pytest.mark.skipif(not INT4_EXPERTS, reason=f"the {K.simd_name()} path keeps int4 experts in rows "
+                                        "(packed int4 experts are computed on AVX-512 VNNI; COLI_SIMD=avx512vnni there)")
+EXPERT_SHAPES = {"int8": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98), (40, 4, 2, 64, 36)],
+                 # int4 experts are packed with rows a multiple of 4 (whole tiles); columns any
+                 "int4": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 52), (9, 6, 3, 36, 20), (20, 8, 2, 132, 100), (40, 4, 2, 68, 36)]}
+
+
+def _expert_tables(rng, fmt, E, H, I):
+    base = "int8" if fmt == "int8" else "int4"
+    rows, tiles = K.ExpertTable(E, H, I, K.FORMATS[fmt]), K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    for e in range(E):
+        mats = [quantize((rng.standard_normal(s) * 0.3).astype(np.float32), fmt) for s in ((I, H), (I, H), (H, I))]
+        rows.set(e, *mats)
+        tiles.set(e, *(_packed_copy(m) for m in mats))
+    assert all(m.packed for e in range(E) for m in tiles.get(e)), base
+    return rows, tiles
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4s"])
+@pytest.mark.parametrize("shape", range(5))
 @pytest.mark.parametrize("act", [0, 1])
-def test_packed_int8_experts_give_the_bits_of_their_rows(M, E, k, H, I, act):
-    """moe_experts over int8 experts held in tiles gives the very bits of the same experts in
-    rows: one token, several per expert, the row-lane tiles (9 and more), rows and columns no
-    multiple of 4 or of a group."""
+def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
+    """moe_experts over experts held in tiles gives the very bits of the same experts in rows:
+    one token, several per expert, the row-lane tiles (9 and more), rows and columns no
+    multiple of 4 or of a group (int8), and the rows computed in two calls of half the
+    experts each (as a streamed layer computes them, combine on the last call only)."""
+    if fmt == "int8" and not PACKS8:
+        pytest.skip(f"the {K.simd_name()} path computes int8 on rows (the AVX2 and AVX-512 VNNI paths pack int8)")
+    if fmt != "int8" and not INT4_EXPERTS:
+        pytest.skip(f"the {K.simd_name()} path keeps int4 experts in rows (AVX-512 VNNI packs them)")
+    M, E, k, H, I = EXPERT_SHAPES["int8" if fmt == "int8" else "int4"][shape]
     rng = np.random.default_rng(M * 100 + H)
     x = rng.standard_normal((M, H)).astype(np.float32)
     idx = np.stack([rng.choice(E, size=k, replace=False) for _ in range(M)]).astype(np.int32)
     w = rng.random((M, k)).astype(np.float32)
-    rows, tiles = K.ExpertTable(E, H, I, K.FORMATS["int8"]), K.ExpertTable(E, H, I, K.FORMATS["int8"])
-    for e in range(E):
-        mats = [quantize((rng.standard_normal(s) * 0.3).astype(np.float32), "int8") for s in ((I, H), (I, H), (H, I))]
-        rows.set(e, *mats)
-        tiles.set(e, *(_packed_copy(m) for m in mats))
-    assert all(m.packed for e in range(E) for m in tiles.get(e))
+    rows, tiles = _expert_tables(rng, fmt, E, H, I)
     outs = []
     for table in (rows, tiles):
         out, counts = np.full((M, H), np.nan, np.float32), np.zeros(E, np.int64)
@@ -466,16 +481,47 @@ def test_packed_int8_experts_give_the_bits_of_their_rows(M, E, k, H, I, act):
         outs.append(out)
     np.testing.assert_array_equal(outs[1], outs[0])
     assert np.isfinite(outs[0]).all()
+    half = (np.arange(E) < E // 2).astype(np.uint8)
+    out, counts, scratch = np.full((M, H), np.nan, np.float32), np.zeros(E, np.int64), K.MoEScratch(M, k, E, H, I)
+    K.moe_experts(x, idx, w, rows, out, scratch, counts, act, active=half, combine=False)
+    K.moe_experts(x, idx, w, rows, out, scratch, counts, act, active=1 - half)
+    np.testing.assert_array_equal(out, outs[1])
+
+
+@needs_int4_experts
+def test_a_tokens_int4_expert_bits_do_not_depend_on_its_call():
+    """On AVX-512 VNNI every call arranges int4 experts' activations: a token gets the same
+    bits alone (decoding), beside tokens routed elsewhere, and beside tokens on its experts."""
+    E, k, H, I = 6, 2, 64, 36
+    rng = np.random.default_rng(5)
+    rows, tiles = _expert_tables(rng, "int4", E, H, I)
+    x = rng.standard_normal((7, H)).astype(np.float32)
+    idx = np.array([[0, 1], [2, 3], [0, 1], [4, 5], [0, 2], [1, 3], [5, 4]], np.int32)
+    w = rng.random((7, k)).astype(np.float32)
+    for table in (rows, tiles):
+        whole = np.empty((7, H), np.float32)
+        K.moe_experts(x, idx, w, table, whole, K.MoEScratch(7, k, E, H, I), np.zeros(E, np.int64), 0)
+        for m in range(7):
+            one = np.empty((1, H), np.float32)
+            K.moe_experts(x[m:m + 1], idx[m:m + 1], w[m:m + 1], table, one, K.MoEScratch(1, k, E, H, I),
+                          np.zeros(E, np.int64), 0)
+            np.testing.assert_array_equal(one[0], whole[m])
 
 
 @needs_tiles
-def test_a_table_refuses_packed_int4_experts():
+def test_a_table_takes_packed_int4_experts_only_where_their_bits_are_the_rows():
     rng = np.random.default_rng(9)
-    gate = _packed_copy(quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4"))
-    up = quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4")
-    down = quantize(rng.standard_normal((64, 8)).astype(np.float32), "int4")
-    with pytest.raises(ValueError, match="packed int4.*only int8 experts"):
-        K.ExpertTable(1, 64, 8, K.FORMATS["int4"]).set(0, gate, up, down)
+    for rows in (8, 6):
+        gate = _packed_copy(quantize(rng.standard_normal((rows, 64)).astype(np.float32), "int4"))
+        up = quantize(rng.standard_normal((rows, 64)).astype(np.float32), "int4")
+        down = quantize(rng.standard_normal((64, rows)).astype(np.float32), "int4")
+        table = K.ExpertTable(1, 64, rows, K.FORMATS["int4"])
+        if INT4_EXPERTS and rows % 4 == 0:
+            table.set(0, gate, up, down)
+            assert table.get(0)[0].packed
+        else:
+            with pytest.raises(ValueError, match="packed int4.*only on the AVX-512 VNNI path and in whole tiles"):
+                table.set(0, gate, up, down)
 
 
 @pytest.fixture(scope="module")
@@ -554,5 +600,28 @@ def test_int8_experts_quantized_at_load_are_packed_with_the_same_logits(moes, mo
     assert all(m.packed for m in _experts(packed)) and not any(m.packed for m in _experts(rows))
     for r, p in zip(_steps(rows), _steps(packed)):
         np.testing.assert_array_equal(p, r)
-    int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts stay in rows
-    assert not any(m.packed for m in _experts(int4))
+    int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts: packed on AVX-512 VNNI, rows a multiple of 4
+    assert all(m.packed == (INT4_EXPERTS and shape == "whole") for m in _experts(int4))
+
+
+@needs_int4_experts
+@pytest.mark.parametrize("fmt", ["int4", "int4s"])
+def test_resident_int4_experts_are_packed_and_streamed_ones_give_their_logits(moes, monkeypatch, tmp_path, fmt):
+    """AVX-512 VNNI: a converted int4 model read whole packs its experts in place, and gives
+    the very logits of the same model unpacked and of the same model streamed (cache slots of
+    rows), prefill and decode."""
+    from coli.weights.convert import convert
+
+    conv = convert(moes["whole"][0], tmp_path / fmt, fmt)
+    monkeypatch.setenv("COLI_PACK", "0")
+    rows = coli.load(conv, threads=2)
+    monkeypatch.delenv("COLI_PACK")
+    packed = coli.load(conv, threads=2)
+    assert packed.weights.store.resident and all(m.packed for m in _experts(packed))
+    assert not any(m.packed for m in _experts(rows))
+    budget = json.loads((conv / "coli.json").read_text())["experts"]["bytes"] // 3
+    streamed = coli.load(conv, threads=2, ram_budget=budget, pin=0)
+    assert not streamed.weights.store.resident
+    for r, p, s in zip(_steps(rows), _steps(packed), _steps(streamed)):
+        np.testing.assert_array_equal(p, r)
+        np.testing.assert_array_equal(s, r)

@@ -35,6 +35,9 @@ cdef int16_t *_q16_scratch(size_t need) except NULL:
         _q16, _q16_cap = p, need
     return _q16
 
+# Whether this path computes packed int4 experts (QMatrix.pack) with the rows' bits: a MoE
+# layer's int4 experts may then be packed where resident (coli.weights.packing.pack_experts)
+INT4_EXPERT_TILES = bool(COLI_Q4X_EXACT)
 FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4A, "int4s": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 
@@ -553,10 +556,13 @@ cdef class ExpertTable:
         if not 0 <= e < self.n_experts:
             raise IndexError(e)
         for q, r, c in ((gate, self.inter, self.hidden), (up, self.inter, self.hidden), (down, self.hidden, self.inter)):
-            if q.packed and q.fmt != COLI_Q8:  # int8 experts take coli_gemm_q16, which reads tiles or rows;
-                # int4 experts may take the plain tiles, which read rows
-                raise ValueError(f"ExpertTable.set: expert {e} matrix is a packed {q.format} (QMatrix.pack); only "
-                                 "int8 experts are computed on tiles, others stay in rows")
+            if q.packed and q.fmt != COLI_Q8 and not (COLI_Q4X_EXACT and q.rows % 4 == 0):
+                # int8 experts take coli_gemm_q16, which reads tiles or rows with the same bits; int4
+                # experts take tiles only where those give the rows' bits (INT4_EXPERT_TILES), in
+                # whole tiles of 4 rows (elsewhere they may take the plain tiles, which read rows)
+                raise ValueError(f"ExpertTable.set: expert {e} matrix is a packed {q.format} (QMatrix.pack) of "
+                                 f"{q.rows} rows; int4 experts are computed on tiles only on the AVX-512 VNNI "
+                                 "path and in whole tiles of 4 rows, else they stay in rows")
             if q.fmt != self.fmt or q.rows != r or q.cols != c:
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is {q.format} ({q.rows}, {q.cols}), "
                                  f"expected {FORMAT_NAMES[self.fmt]} ({r}, {c})")
@@ -805,7 +811,12 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
     cdef int8_t *xe = NULL
     b = 0
-    if ldx and ldh and pairs * (ldx + ldh) <= XE_MAX_BYTES:
+    # where packed int4 experts are exact (AVX-512 VNNI), every call arranges them, whatever its
+    # size: packed experts read only arranged activations, and experts in rows then take the
+    # same multi-token tiles (a streamed layer's rows give a resident packed layer's bits; a
+    # token's bits do not depend on its call)
+    cdef bint always = COLI_Q4X_EXACT and (table.fmt == COLI_Q4 or table.fmt == COLI_Q4A)
+    if ldx and ldh and (always or pairs * (ldx + ldh) <= XE_MAX_BYTES):
         xe = _xe_scratch(pairs * (ldx + ldh))
         job.ax.xe, job.ax.lde = xe, ldx
         job.ah.xe, job.ah.lde = xe + pairs * ldx, ldh
@@ -843,7 +854,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         if xe != NULL:
             for e in range(E):
                 b = b if b > cnt[e] else cnt[e]
-            if b >= 2:  # an expert with several tokens
+            if b >= 2 or always:  # an expert with several tokens
                 coli_expand_act(&job.ax, pairs, H, table.fmt, <int8_t *>job.ax.xe, ldx)
             else:
                 xe = job.ax.xe = job.ah.xe = NULL

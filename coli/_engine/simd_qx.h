@@ -507,6 +507,10 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
 COLI_PKTILES(coli_q4tile, 0)
 COLI_PKTILES(coli_q4atile, 1)
 #define COLI_Q4X_TILES 1 /* this path computes on repacked matrices (QMatrix.pack repacks) */
+/* ... with the very bits of the multi-token tiles on the rows (whole tiles of 4 rows), so a
+ * MoE layer's int4 experts may be packed where resident and left in rows where streamed
+ * (moe_experts then arranges the activations at every token count, on rows and tiles alike) */
+#define COLI_Q4X_EXACT 1
 
 #define COLI_Q4X_MR COLI_XT_MR /* tokens per packed tile */
 #define COLI_Q4X_SYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 0)
@@ -701,10 +705,12 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
 COLI_PKTILES256(coli_q4tile, 0)
 COLI_PKTILES256(coli_q4atile, 1)
 #define COLI_Q4X_TILES 1
+#define COLI_Q4X_EXACT 0 /* (other bits than the rows' tiles: int4 experts stay in rows) */
 #define COLI_Q4X_MR 4 /* tokens per tile: 8 weight registers, the masks and 4 accumulators fit in 16 */
 
 #else
 #define COLI_Q4X_TILES 0
+#define COLI_Q4X_EXACT 0
 static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
 static inline long coli_q4x_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {

@@ -9,10 +9,12 @@ batch.
 
 The matrices every decode step reads are packed: attention, dense and shared-expert MLPs and
 the head (:func:`pack_dense`), and the routed experts of layers held wholly in memory where
-they are int8 (:func:`pack_experts`): every expert matrix goes through coli_gemm_q16, which
-reads tiles or rows alike. int4 experts and streamed layers keep their rows (the plain
-multi-token tiles an int4 expert may take read rows; cache slots are filled by reads of the
-file's rows). All packed dense matrices of a model share one buffer, asked
+their tiles give the rows' bits (:func:`pack_experts`): int8 experts go through coli_gemm_q16,
+which reads tiles or rows alike; int4 experts only on AVX-512 VNNI, whose tiles compute a
+token as the rows' multi-token tiles do, which moe_experts takes there at every token count
+(elsewhere the plain multi-token tiles an int4 expert may take read rows, and the AVX2
+tiles round otherwise). Streamed layers keep their rows (cache slots are filled by reads of
+the file's rows) and so give a resident layer's results. All packed dense matrices of a model share one buffer, asked
 of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
 the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512
 without VNNI, f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
@@ -197,8 +199,8 @@ def _round64(n: int) -> int:
 
 
 def pack_experts(model, env=None) -> int:
-    """Pack the int8 experts of every MoE layer held wholly in memory where this path has
-    their tiles, unless ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in
+    """Pack the experts of every MoE layer held wholly in memory where this path has tiles
+    for them with the rows' bits (int8; int4 and int4s on AVX-512 VNNI, rows a multiple of 4), unless ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in
     one buffer of their own (``ResidentExperts.region``: a converted model's experts.bin, read
     into huge pages) is packed into that buffer, through a copy of one layer at a time, so the
     load never holds more than one layer twice; where the tiles take more room than the rows
@@ -213,9 +215,11 @@ def pack_experts(model, env=None) -> int:
     for moe in getattr(model, "moe_layers", []):
         src = getattr(moe, "experts", None)
         table = getattr(src, "table", None)
-        if table is None or getattr(src, "streamed", True) or table.fmt != K.FORMATS["int8"]:
+        if table is None or getattr(src, "streamed", True) or table.fmt not in _expert_formats(K):
             continue
         trios = [table.get(e) for e in range(table.n_experts)]
+        if table.fmt != K.FORMATS["int8"] and any(m.rows % 4 for t in trios for m in t if m is not None):
+            continue  # int4 tiles give the rows' bits in whole tiles of 4 rows only
         if any(m is None or not m.packed_bytes for t in trios for m in t):
             continue  # packed already, or this path keeps int8 rows (AVX-512 without VNNI, scalar)
         total = sum(_round64(m.packed_bytes) for t in trios for m in t)
@@ -249,6 +253,14 @@ def pack_experts(model, env=None) -> int:
             release_pages(region)  # nothing reads the rows any more
         done += total
     return done
+
+
+def _expert_formats(K) -> tuple:
+    """The expert formats this path computes on tiles with the rows' bits: int8 wherever it
+    packs int8 (coli_gemm_q16 reads either); int4 and int4s on AVX-512 VNNI (the tiles' bits are
+    the rows' multi-token tiles', which moe_experts then takes at every token count)."""
+    f = K.FORMATS
+    return (f["int8"], f["int4"], f["int4s"]) if getattr(K, "INT4_EXPERT_TILES", False) else (f["int8"],)
 
 
 def _room_for(nbytes: int) -> bool:
