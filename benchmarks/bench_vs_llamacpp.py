@@ -39,7 +39,8 @@ same prompts for every engine):
 
 llama.cpp runs each format twice, flash attention off (llama-cpp-python's default) and on
 (``+FA``; llama.cpp's own CLI default on CPU), KV cache f16 (its default); each ratio
-compares coli with the faster of the two for that metric. coli's KV cache is f32.
+compares coli with the faster of the two for that metric. coli's KV cache is f16 too (its
+default; ``COLI_KV_CACHE_DTYPE``).
 
 Each engine+format lives in its own spawned worker process (two OpenMP thread pools never
 share a process) and the workers take turns: every repeat runs all of them, in an order
