@@ -18,7 +18,7 @@ tokens with the matrix in cache (the compute alone). Needs a path with packed ti
 AVX2), or a kernel that gives transparent huge pages: then COLI_PACK=1 holds the rows of the
 matrices a path does not pack (int8 on AVX-512 without VNNI) in huge pages, COLI_PACK=0 reads
 them from the checkpoint's mapping, and the decode and prefill steps compare those. With
---experts both pack their dense matrices and only the packed one its resident int8 routed
+--experts both pack their dense matrices and only the packed one its resident routed
 experts (pack_experts). Both models stay loaded for the decode and the prefill steps.
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ def _load(path: str, threads: int, pack: bool, moves_only: bool = False, experts
     if experts_only:
         pack_dense(model.engine.model)
         if pack and not pack_experts(model.engine.model):
-            sys.exit(f"bench_packing: {path} has no resident int8 experts this path packs")
+            sys.exit(f"bench_packing: {path} has no resident experts this path packs "
+                     "(int8, or int4 with rows a multiple of 4)")
     return model
 
 
@@ -144,7 +145,7 @@ def main() -> None:
                     help="both settings pack their tiles; compare only the other dense rows mapped against "
                          "moved into huge pages (needs transparent huge pages)")
     ap.add_argument("--experts", action="store_true",
-                    help="both settings pack their dense matrices; compare resident int8 experts in rows "
+                    help="both settings pack their dense matrices; compare resident experts (int8, int4) in rows "
                          "against packed")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()

@@ -439,10 +439,13 @@ def _packed_copy(m):
 
 INT4_EXPERTS = getattr(K, "INT4_EXPERT_TILES", False)
 needs_int4_experts = pytest.mark.skipif(not INT4_EXPERTS, reason=f"the {K.simd_name()} path keeps int4 experts in rows "
-                                        "(packed int4 experts are computed on AVX-512 VNNI; COLI_SIMD=avx512vnni there)")
-EXPERT_SHAPES = {"int8": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98), (40, 4, 2, 64, 36)],
-                 # int4 experts are packed with rows a multiple of 4 (whole tiles); columns any
-                 "int4": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 52), (9, 6, 3, 36, 20), (20, 8, 2, 132, 100), (40, 4, 2, 68, 36)]}
+                                        "(the AVX2 and AVX-512 paths have the packed int4 tiles)")
+EXPERT_SHAPES = {"int8": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98), (40, 4, 2, 64, 36),
+                          (80, 3, 2, 64, 40)],
+                 # int4 experts are packed with rows a multiple of 4 (whole tiles); columns any. The
+                 # last: experts of 50 tokens or more in a call of 80 (AVX2's token-lane GEMM)
+                 "int4": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 52), (9, 6, 3, 36, 20), (20, 8, 2, 132, 100), (40, 4, 2, 68, 36),
+                          (80, 3, 2, 64, 40)]}
 
 
 def _expert_tables(rng, fmt, E, H, I):
@@ -457,7 +460,7 @@ def _expert_tables(rng, fmt, E, H, I):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4s"])
-@pytest.mark.parametrize("shape", range(5))
+@pytest.mark.parametrize("shape", range(6))
 @pytest.mark.parametrize("act", [0, 1])
 def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
     """moe_experts over experts held in tiles gives the very bits of the same experts in rows:
@@ -467,7 +470,7 @@ def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
     if fmt == "int8" and not PACKS8:
         pytest.skip(f"the {K.simd_name()} path computes int8 on rows (the AVX2 and AVX-512 VNNI paths pack int8)")
     if fmt != "int8" and not INT4_EXPERTS:
-        pytest.skip(f"the {K.simd_name()} path keeps int4 experts in rows (AVX-512 VNNI packs them)")
+        pytest.skip(f"the {K.simd_name()} path keeps int4 experts in rows (the AVX2 and AVX-512 paths pack them)")
     M, E, k, H, I = EXPERT_SHAPES["int8" if fmt == "int8" else "int4"][shape]
     rng = np.random.default_rng(M * 100 + H)
     x = rng.standard_normal((M, H)).astype(np.float32)
@@ -490,8 +493,9 @@ def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
 
 @needs_int4_experts
 def test_a_tokens_int4_expert_bits_do_not_depend_on_its_call():
-    """On AVX-512 VNNI every call arranges int4 experts' activations: a token gets the same
-    bits alone (decoding), beside tokens routed elsewhere, and beside tokens on its experts."""
+    """Every call arranges int4 experts' activations: a token gets the same bits alone
+    (decoding), beside tokens routed elsewhere, and beside tokens on its experts (in calls
+    below the size from which AVX2 takes its token-lane GEMM), in rows and in tiles."""
     E, k, H, I = 6, 2, 64, 36
     rng = np.random.default_rng(5)
     rows, tiles = _expert_tables(rng, "int4", E, H, I)
@@ -520,7 +524,7 @@ def test_a_table_takes_packed_int4_experts_only_where_their_bits_are_the_rows():
             table.set(0, gate, up, down)
             assert table.get(0)[0].packed
         else:
-            with pytest.raises(ValueError, match="packed int4.*only on the AVX-512 VNNI path and in whole tiles"):
+            with pytest.raises(ValueError, match="packed int4.*only in whole tiles of 4 rows"):
                 table.set(0, gate, up, down)
 
 
@@ -600,16 +604,17 @@ def test_int8_experts_quantized_at_load_are_packed_with_the_same_logits(moes, mo
     assert all(m.packed for m in _experts(packed)) and not any(m.packed for m in _experts(rows))
     for r, p in zip(_steps(rows), _steps(packed)):
         np.testing.assert_array_equal(p, r)
-    int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts: packed on AVX-512 VNNI, rows a multiple of 4
+    int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts: packed where their rows are a multiple of 4
     assert all(m.packed == (INT4_EXPERTS and shape == "whole") for m in _experts(int4))
 
 
 @needs_int4_experts
 @pytest.mark.parametrize("fmt", ["int4", "int4s"])
 def test_resident_int4_experts_are_packed_and_streamed_ones_give_their_logits(moes, monkeypatch, tmp_path, fmt):
-    """AVX-512 VNNI: a converted int4 model read whole packs its experts in place, and gives
-    the very logits of the same model unpacked and of the same model streamed (cache slots of
-    rows), prefill and decode."""
+    """A converted int4 model read whole packs its experts in place, and gives the very logits
+    of the same model streamed (cache slots of rows), prefill and decode; on AVX-512 VNNI also
+    those of the model with nothing packed (there the dense tiles give the rows' bits too; the
+    AVX2 dense tiles round otherwise, and a router may then pick another expert: close)."""
     from coli.weights.convert import convert
 
     conv = convert(moes["whole"][0], tmp_path / fmt, fmt)
@@ -623,5 +628,8 @@ def test_resident_int4_experts_are_packed_and_streamed_ones_give_their_logits(mo
     streamed = coli.load(conv, threads=2, ram_budget=budget, pin=0)
     assert not streamed.weights.store.resident
     for r, p, s in zip(_steps(rows), _steps(packed), _steps(streamed)):
-        np.testing.assert_array_equal(p, r)
-        np.testing.assert_array_equal(s, r)
+        np.testing.assert_array_equal(s, p)
+        if EXACT:
+            np.testing.assert_array_equal(p, r)
+        else:
+            np.testing.assert_allclose(p, r, rtol=0, atol=0.05 * np.abs(r).max())  # (as the dense test above)

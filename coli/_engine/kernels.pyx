@@ -129,7 +129,6 @@ cdef extern from "simd_qx.h" nogil:  # (included by simd_q.h; named here so a ch
     void coli_q8x_unpack(const uint8_t *pk, int N, int K, int8_t *wq, long ldw, uint16_t *wd, long ldd)
     enum:
         COLI_Q4X_TILES
-        COLI_Q4X_EXACT
 
 cdef enum:
     ROW_BLOCK = 16      # weight rows per parallel work item

@@ -35,9 +35,11 @@ cdef int16_t *_q16_scratch(size_t need) except NULL:
         _q16, _q16_cap = p, need
     return _q16
 
-# Whether this path computes packed int4 experts (QMatrix.pack) with the rows' bits: a MoE
-# layer's int4 experts may then be packed where resident (coli.weights.packing.pack_experts)
-INT4_EXPERT_TILES = bool(COLI_Q4X_EXACT)
+# Whether this path computes int4 experts on tiles (QMatrix.pack) with the bits of their rows
+# (moe_experts arranges their activations at every token count, and rows take the tiles'
+# arithmetic): a MoE layer's int4 experts may then be packed where resident, with rows a
+# multiple of 4 (coli.weights.packing.pack_experts)
+INT4_EXPERT_TILES = bool(COLI_Q4X_TILES)
 FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4A, "int4s": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 
@@ -556,13 +558,13 @@ cdef class ExpertTable:
         if not 0 <= e < self.n_experts:
             raise IndexError(e)
         for q, r, c in ((gate, self.inter, self.hidden), (up, self.inter, self.hidden), (down, self.hidden, self.inter)):
-            if q.packed and q.fmt != COLI_Q8 and not (COLI_Q4X_EXACT and q.rows % 4 == 0):
+            if q.packed and q.fmt != COLI_Q8 and q.rows % 4:
                 # int8 experts take coli_gemm_q16, which reads tiles or rows with the same bits; int4
-                # experts take tiles only where those give the rows' bits (INT4_EXPERT_TILES), in
-                # whole tiles of 4 rows (elsewhere they may take the plain tiles, which read rows)
+                # experts their tiles in whole tiles of 4 rows (on AVX-512 VNNI the rows past them
+                # take the plain tiles, which round otherwise)
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is a packed {q.format} (QMatrix.pack) of "
-                                 f"{q.rows} rows; int4 experts are computed on tiles only on the AVX-512 VNNI "
-                                 "path and in whole tiles of 4 rows, else they stay in rows")
+                                 f"{q.rows} rows; int4 experts are computed on tiles only in whole tiles of 4 "
+                                 "rows, else they stay in rows")
             if q.fmt != self.fmt or q.rows != r or q.cols != c:
                 raise ValueError(f"ExpertTable.set: expert {e} matrix is {q.format} ({q.rows}, {q.cols}), "
                                  f"expected {FORMAT_NAMES[self.fmt]} ({r}, {c})")
@@ -811,11 +813,15 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
     cdef int8_t *xe = NULL
     b = 0
-    # where packed int4 experts are exact (AVX-512 VNNI), every call arranges them, whatever its
-    # size: packed experts read only arranged activations, and experts in rows then take the
-    # same multi-token tiles (a streamed layer's rows give a resident packed layer's bits; a
-    # token's bits do not depend on its call)
-    cdef bint always = COLI_Q4X_EXACT and (table.fmt == COLI_Q4 or table.fmt == COLI_Q4A)
+    # on a path with int4 tiles every call arranges int4 experts' activations, whatever its
+    # size: packed experts read only arranged activations, and experts in rows then compute as
+    # the tiles do (AVX-512 VNNI: the rows' multi-token tiles; AVX2: coli_q4x_rows), so a
+    # streamed layer's rows give a resident packed layer's bits and a token's bits do not
+    # depend on its call (from COLI_Q4GEMM8_MIN tokens of an expert AVX2 takes the token-lane
+    # GEMM, on rows and tiles alike)
+    cdef bint always = COLI_Q4X_TILES and (table.fmt == COLI_Q4 or table.fmt == COLI_Q4A)
+    if always and ldx == 0:  # (AVX2: a call's arrangement per token, as a packed GEMV's)
+        ldx, ldh = coli_q4x_xe_ld(1, H), coli_q4x_xe_ld(1, inter)
     if ldx and ldh and (always or pairs * (ldx + ldh) <= XE_MAX_BYTES):
         xe = _xe_scratch(pairs * (ldx + ldh))
         job.ax.xe, job.ax.lde = xe, ldx

@@ -507,10 +507,6 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
 COLI_PKTILES(coli_q4tile, 0)
 COLI_PKTILES(coli_q4atile, 1)
 #define COLI_Q4X_TILES 1 /* this path computes on repacked matrices (QMatrix.pack repacks) */
-/* ... with the very bits of the multi-token tiles on the rows (whole tiles of 4 rows), so a
- * MoE layer's int4 experts may be packed where resident and left in rows where streamed
- * (moe_experts then arranges the activations at every token count, on rows and tiles alike) */
-#define COLI_Q4X_EXACT 1
 
 #define COLI_Q4X_MR COLI_XT_MR /* tokens per packed tile */
 #define COLI_Q4X_SYM(NAME, MR) COLI_Q4XTILE512(NAME, MR, 0)
@@ -594,6 +590,19 @@ static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
 }
+/* The arithmetic of half h of a step at group b for MR tokens, once its 8 weight registers
+ * w (unsigned nibbles, rows in dwords), scales ws and mins wmn (lane 4L + j: row j, group
+ * b + 2h + L) are loaded: the same operations whichever layout they came from. */
+#define COLI_Q4XHALF256_DOT(MR, ASYM)                                                              \
+        for (int i = 0; i < MR; i++) {                                                             \
+            const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
+            __m256i d = coli_q4x_dot8(w, o);                                                       \
+            if (!ASYM) d = _mm256_sub_epi32(d, _mm256_load_si256((const __m256i *)(const void *)(o + 9 * 64))); \
+            __m256 sc = _mm256_mul_ps(ws, _mm256_load_ps((const float *)(const void *)(o + 8 * 64))); \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i]);                           \
+            if (ASYM) acc[i] = _mm256_fmadd_ps(wmn, _mm256_load_ps((const float *)(const void *)(o + 10 * 64)), acc[i]); \
+        }
+
 /* Half h of a packed step of gs groups (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
 #define COLI_Q4XHALF256(MR, ASYM, MASKED, gs, n2)                                                      \
     {                                                                                              \
@@ -608,14 +617,7 @@ static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
                                              : _mm_loadu_si128((const __m128i *)(const void *)(p + 256 + 16 * h))); \
         __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps((MASKED) ? coli_q4x_load_half(p + 72 * gs + 16 * h, 8 * (n2)) \
                                                              : _mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h))); \
-        for (int i = 0; i < MR; i++) {                                                             \
-            const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
-            __m256i d = coli_q4x_dot8(w, o);                                                       \
-            if (!ASYM) d = _mm256_sub_epi32(d, _mm256_load_si256((const __m256i *)(const void *)(o + 9 * 64))); \
-            __m256 sc = _mm256_mul_ps(ws, _mm256_load_ps((const float *)(const void *)(o + 8 * 64))); \
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i]);                           \
-            if (ASYM) acc[i] = _mm256_fmadd_ps(wmn, _mm256_load_ps((const float *)(const void *)(o + 10 * 64)), acc[i]); \
-        }                                                                                          \
+        COLI_Q4XHALF256_DOT(MR, ASYM)                                                              \
     }
 
 /* n bytes (n <= 32, a multiple of 16) at p into a register, zeros after */
@@ -704,17 +706,143 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
     }
 COLI_PKTILES256(coli_q4tile, 0)
 COLI_PKTILES256(coli_q4atile, 1)
+
+/* The packed tiles' arithmetic on rows: MR tokens x nr (<= 4) rows at wq (ldw bytes apart;
+ * scales wd and mins wm ldd apart), against arranged activations. Each half step's registers
+ * are made from the rows' 32 bytes of its 2 groups by the packing's own 8 unpacks (a 4 x 4
+ * dword transpose per 128-bit lane) and its scales gathered into lane order, then go through
+ * COLI_Q4XHALF256_DOT: a token gets the very bits of the same rows packed (MoE experts, whose
+ * streamed layers are read as rows into cache slots while resident ones are packed). Rows
+ * past nr repeat row 0 (their lanes are never stored). */
+/* one half step's weight registers w from the rows' registers R (the packing's transpose) */
+#define COLI_Q4XRX_W()                                                                             \
+                __m256i t0 = _mm256_unpacklo_epi32(R[0], R[1]), t1 = _mm256_unpackhi_epi32(R[0], R[1]); \
+                __m256i t2 = _mm256_unpacklo_epi32(R[2], R[3]), t3 = _mm256_unpackhi_epi32(R[2], R[3]); \
+                __m256i A[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),      \
+                                _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};     \
+                __m256i w[8];                                                                      \
+                for (int q = 0; q < 4; q++) {                                                      \
+                    w[q] = _mm256_and_si256(A[q], m4);                                             \
+                    w[4 + q] = _mm256_and_si256(_mm256_srli_epi16(A[q], 4), m4);                   \
+                }
+/* 4 rows' f16 of groups b .. b + 3 (rows at p, ld apart) in lane order for half h = 0 / 1 */
+#define COLI_Q4XRX_SCALES(p, ld, H0, H1)                                                          \
+            {                                                                                      \
+                __m128i q0 = _mm_loadl_epi64((const __m128i *)(const void *)((p) + b));            \
+                __m128i q1 = _mm_loadl_epi64((const __m128i *)(const void *)((p) + (ld) * r1 + b)); \
+                __m128i q2 = _mm_loadl_epi64((const __m128i *)(const void *)((p) + (ld) * r2 + b)); \
+                __m128i q3 = _mm_loadl_epi64((const __m128i *)(const void *)((p) + (ld) * r3 + b)); \
+                __m128i u01 = _mm_unpacklo_epi32(q0, q1), u23 = _mm_unpacklo_epi32(q2, q3);        \
+                H0 = _mm_shuffle_epi8(_mm_unpacklo_epi64(u01, u23), order);                        \
+                H1 = _mm_shuffle_epi8(_mm_unpackhi_epi64(u01, u23), order);                        \
+            }
+#define COLI_Q4XTILE256_RX(NAME, MR, ASYM)                                                         \
+    static inline void NAME##_rx##MR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                     long ldw, long ldd, int nb, float *Y, long ldy, int nr) {      \
+        __m256 acc[MR];                                                                            \
+        for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
+        const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15); \
+        const int r1 = nr > 1 ? 1 : 0, r2 = nr > 2 ? 2 : 0, r3 = nr > 3 ? 3 : 0;                   \
+        const uint8_t *w0 = wq, *w1 = wq + r1 * ldw, *w2 = wq + r2 * ldw, *w3 = wq + r3 * ldw;       \
+        int b = 0;                                                                                 \
+        for (; b + 4 <= nb; b += 4) {                                                              \
+            __m128i sh[2], mh[2] = {_mm_setzero_si128(), _mm_setzero_si128()};                     \
+            COLI_Q4XRX_SCALES(wd, ldd, sh[0], sh[1])                                               \
+            if (ASYM) COLI_Q4XRX_SCALES(wm, ldd, mh[0], mh[1])                                     \
+            for (int h = 0; h < 2; h++) {                                                          \
+                const long at = (long)(b + 2 * h) * 16;                                            \
+                _mm_prefetch((const char *)(w0 + 4 * ldw + at), _MM_HINT_T0);                      \
+                _mm_prefetch((const char *)(w1 + 4 * ldw + at), _MM_HINT_T0);                      \
+                _mm_prefetch((const char *)(w2 + 4 * ldw + at), _MM_HINT_T0);                      \
+                _mm_prefetch((const char *)(w3 + 4 * ldw + at), _MM_HINT_T0);                      \
+                __m256i R[4] = {_mm256_loadu_si256((const __m256i *)(const void *)(w0 + at)),      \
+                                _mm256_loadu_si256((const __m256i *)(const void *)(w1 + at)),      \
+                                _mm256_loadu_si256((const __m256i *)(const void *)(w2 + at)),      \
+                                _mm256_loadu_si256((const __m256i *)(const void *)(w3 + at))};     \
+                COLI_Q4XRX_W()                                                                     \
+                __m256 ws = _mm256_cvtph_ps(sh[h]);                                                \
+                __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps(mh[h]);                                \
+                COLI_Q4XHALF256_DOT(MR, ASYM)                                                      \
+            }                                                                                      \
+        }                                                                                          \
+        if (b < nb) { /* a short last step of gs groups: zeros past them, as in a packed tile */   \
+            const int gs = nb - b;                                                                 \
+            for (int h = 0; 2 * h < gs; h++) {                                                     \
+                const int n2 = gs - 2 * h < 2 ? gs - 2 * h : 2, g = b + 2 * h;                     \
+                const int rows[4] = {0, r1, r2, r3};                                               \
+                __m256i R[4];                                                                      \
+                uint16_t sv[8] = {0}, mv[8] = {0};                                                 \
+                for (int r = 0; r < 4; r++) {                                                      \
+                    const uint8_t *src = wq + rows[r] * ldw + g * 16;                              \
+                    R[r] = n2 == 2 ? _mm256_loadu_si256((const __m256i *)(const void *)src)        \
+                                   : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)src)); \
+                    for (int L = 0; L < n2; L++) {                                                 \
+                        sv[4 * L + r] = wd[rows[r] * ldd + g + L];                                 \
+                        if (ASYM) mv[4 * L + r] = wm[rows[r] * ldd + g + L];                       \
+                    }                                                                              \
+                }                                                                                  \
+                COLI_Q4XRX_W()                                                                     \
+                __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)sv));   \
+                __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)mv)); \
+                COLI_Q4XHALF256_DOT(MR, ASYM)                                                      \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++)                                                               \
+            coli_xt_store(Y + i * ldy, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), nr); \
+    }
+#define COLI_RXTILES256(NAME, ASYM)                                                                \
+    COLI_Q4XTILE256_RX(NAME, 1, ASYM) COLI_Q4XTILE256_RX(NAME, 2, ASYM) COLI_Q4XTILE256_RX(NAME, 3, ASYM) \
+    COLI_Q4XTILE256_RX(NAME, 4, ASYM)                                                              \
+    static inline void NAME##_rx(int mr, const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+                                 long ldw, long ldd, int nb, float *Y, long ldy, int nr) {          \
+        switch (mr) {                                                                              \
+        case 1: NAME##_rx1(a, wq, wd, wm, ldw, ldd, nb, Y, ldy, nr); break;                        \
+        case 2: NAME##_rx2(a, wq, wd, wm, ldw, ldd, nb, Y, ldy, nr); break;                        \
+        case 3: NAME##_rx3(a, wq, wd, wm, ldw, ldd, nb, Y, ldy, nr); break;                        \
+        default: NAME##_rx4(a, wq, wd, wm, ldw, ldd, nb, Y, ldy, nr); break;                       \
+        }                                                                                          \
+    }
+COLI_RXTILES256(coli_q4tile, 0)
+COLI_RXTILES256(coli_q4atile, 1)
+#define COLI_Q4X_ROWS_X 1 /* rows with arranged activations take the packed tiles' arithmetic */
 #define COLI_Q4X_TILES 1
-#define COLI_Q4X_EXACT 0 /* (other bits than the rows' tiles: int4 experts stay in rows) */
 #define COLI_Q4X_MR 4 /* tokens per tile: 8 weight registers, the masks and 4 accumulators fit in 16 */
 
 #else
 #define COLI_Q4X_TILES 0
-#define COLI_Q4X_EXACT 0
 static inline long coli_xe_ld(int fmt, int M, int K) { (void)fmt; (void)M; (void)K; return 0; }
 static inline long coli_q4x_xe_ld(int M, int K) { (void)M; (void)K; return 0; }
 static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int8_t *xe, long lde) {
     (void)a; (void)M; (void)K; (void)fmt; (void)xe; (void)lde;
+}
+#endif
+
+#if !defined(COLI_Q4X_ROWS_X)
+#define COLI_Q4X_ROWS_X 0
+#endif
+
+#if COLI_Q4X_ROWS_X
+/* Y[m, n0 + n] for n < nb of a matrix in rows against arranged activations (a->xe), with the
+ * arithmetic of the same rows packed (AVX2 tiles): MoE int4 experts in rows. */
+static inline void coli_q4x_rows(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
+                                 long ldy) {
+    int ngroups = (K + QK - 1) / QK;
+    for (int m = 0; m < M; m += COLI_Q4X_MR) {
+        int mr = M - m < COLI_Q4X_MR ? M - m : COLI_Q4X_MR;
+        coli_act sub = *a;
+        sub.xe = a->xe + m * a->lde;
+        for (int n = 0; n < nb; n += 4) {
+            int nr = nb - n < 4 ? nb - n : 4;
+            const uint8_t *wq = (const uint8_t *)W->w + (long)(n0 + n) * W->ldw;
+            const uint16_t *wd = W->d + (long)(n0 + n) * W->ldd, *wm = W->m ? W->m + (long)(n0 + n) * W->ldd : NULL;
+            float *y = Y + m * ldy + n0 + n;
+            if (W->fmt == COLI_Q4A)
+                coli_q4atile_rx(mr, &sub, wq, wd, wm, W->ldw, W->ldd, ngroups, y, ldy, nr);
+            else
+                coli_q4tile_rx(mr, &sub, wq, wd, NULL, W->ldw, W->ldd, ngroups, y, ldy, nr);
+        }
+    }
 }
 #endif
 

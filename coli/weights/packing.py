@@ -10,11 +10,11 @@ batch.
 The matrices every decode step reads are packed: attention, dense and shared-expert MLPs and
 the head (:func:`pack_dense`), and the routed experts of layers held wholly in memory where
 their tiles give the rows' bits (:func:`pack_experts`): int8 experts go through coli_gemm_q16,
-which reads tiles or rows alike; int4 experts only on AVX-512 VNNI, whose tiles compute a
-token as the rows' multi-token tiles do, which moe_experts takes there at every token count
-(elsewhere the plain multi-token tiles an int4 expert may take read rows, and the AVX2
-tiles round otherwise). Streamed layers keep their rows (cache slots are filled by reads of
-the file's rows) and so give a resident layer's results. All packed dense matrices of a model share one buffer, asked
+which reads tiles or rows alike; int4 experts (rows a multiple of 4) go through arranged
+activations at every token count, with which rows compute as the tiles do (AVX-512 VNNI: the
+rows' multi-token tiles are the tiles' arithmetic; AVX2: coli_q4x_rows). Streamed layers keep
+their rows (cache slots are filled by reads of the file's rows) and so give a resident
+layer's results. All packed dense matrices of a model share one buffer, asked
 of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
 the rows did. Those of the matrices that this path computes on as rows (int8 on AVX-512
 without VNNI, f32 and bf16 everywhere, every format on the scalar and NEON paths) have their row arrays
@@ -200,8 +200,8 @@ def _round64(n: int) -> int:
 
 def pack_experts(model, env=None) -> int:
     """Pack the experts of every MoE layer held wholly in memory where this path has tiles
-    for them with the rows' bits (int8; int4 and int4s on AVX-512 VNNI, rows a multiple of 4), unless ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in
-    one buffer of their own (``ResidentExperts.region``: a converted model's experts.bin, read
+    for them with the rows' bits (int8; int4 and int4s, rows a multiple of 4), unless
+    ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in one buffer of their own (``ResidentExperts.region``: a converted model's experts.bin, read
     into huge pages) is packed into that buffer, through a copy of one layer at a time, so the
     load never holds more than one layer twice; where the tiles take more room than the rows
     (rows no multiple of 4, columns narrower than a tile), or for any other layer, the tiles
@@ -257,8 +257,8 @@ def pack_experts(model, env=None) -> int:
 
 def _expert_formats(K) -> tuple:
     """The expert formats this path computes on tiles with the rows' bits: int8 wherever it
-    packs int8 (coli_gemm_q16 reads either); int4 and int4s on AVX-512 VNNI (the tiles' bits are
-    the rows' multi-token tiles', which moe_experts then takes at every token count)."""
+    packs int8 (coli_gemm_q16 reads either); int4 and int4s wherever it packs int4 (moe_experts
+    arranges their activations at every token count, and rows then compute as the tiles do)."""
     f = K.FORMATS
     return (f["int8"], f["int4"], f["int4s"]) if getattr(K, "INT4_EXPERT_TILES", False) else (f["int8"],)
 
