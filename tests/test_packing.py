@@ -437,9 +437,6 @@ def _packed_copy(m):
     return q
 
 
-INT4_EXPERTS = getattr(K, "INT4_EXPERT_TILES", False)
-needs_int4_experts = pytest.mark.skipif(not INT4_EXPERTS, reason=f"the {K.simd_name()} path keeps int4 experts in rows "
-                                        "(the AVX2 and AVX-512 paths have the packed int4 tiles)")
 EXPERT_SHAPES = {"int8": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17), (20, 8, 2, 130, 98), (40, 4, 2, 64, 36),
                           (80, 3, 2, 64, 40)],
                  # int4 experts are packed with rows a multiple of 4 (whole tiles); columns any. The
@@ -449,13 +446,12 @@ EXPERT_SHAPES = {"int8": [(1, 4, 2, 64, 96), (3, 5, 2, 72, 50), (9, 6, 3, 33, 17
 
 
 def _expert_tables(rng, fmt, E, H, I):
-    base = "int8" if fmt == "int8" else "int4"
     rows, tiles = K.ExpertTable(E, H, I, K.FORMATS[fmt]), K.ExpertTable(E, H, I, K.FORMATS[fmt])
     for e in range(E):
         mats = [quantize((rng.standard_normal(s) * 0.3).astype(np.float32), fmt) for s in ((I, H), (I, H), (H, I))]
         rows.set(e, *mats)
         tiles.set(e, *(_packed_copy(m) for m in mats))
-    assert all(m.packed for e in range(E) for m in tiles.get(e)), base
+    assert all(m.packed for e in range(E) for m in tiles.get(e))
     return rows, tiles
 
 
@@ -469,7 +465,7 @@ def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
     experts each (as a streamed layer computes them, combine on the last call only)."""
     if fmt == "int8" and not PACKS8:
         pytest.skip(f"the {K.simd_name()} path computes int8 on rows (the AVX2 and AVX-512 VNNI paths pack int8)")
-    if fmt != "int8" and not INT4_EXPERTS:
+    if fmt != "int8" and not PACKS:
         pytest.skip(f"the {K.simd_name()} path keeps int4 experts in rows (the AVX2 and AVX-512 paths pack them)")
     M, E, k, H, I = EXPERT_SHAPES["int8" if fmt == "int8" else "int4"][shape]
     rng = np.random.default_rng(M * 100 + H)
@@ -491,7 +487,7 @@ def test_packed_experts_give_the_bits_of_their_rows(fmt, shape, act):
     np.testing.assert_array_equal(out, outs[1])
 
 
-@needs_int4_experts
+@needs_tiles  # (a path with int4 tiles packs resident int4 experts)
 def test_a_tokens_int4_expert_bits_do_not_depend_on_its_call():
     """Every call arranges int4 experts' activations: a token gets the same bits alone
     (decoding), beside tokens routed elsewhere, and beside tokens on its experts (in calls
@@ -520,7 +516,7 @@ def test_a_table_takes_packed_int4_experts_only_where_their_bits_are_the_rows():
         up = quantize(rng.standard_normal((rows, 64)).astype(np.float32), "int4")
         down = quantize(rng.standard_normal((64, rows)).astype(np.float32), "int4")
         table = K.ExpertTable(1, 64, rows, K.FORMATS["int4"])
-        if INT4_EXPERTS and rows % 4 == 0:
+        if PACKS and rows % 4 == 0:
             table.set(0, gate, up, down)
             assert table.get(0)[0].packed
         else:
@@ -605,10 +601,10 @@ def test_int8_experts_quantized_at_load_are_packed_with_the_same_logits(moes, mo
     for r, p in zip(_steps(rows), _steps(packed)):
         np.testing.assert_array_equal(p, r)
     int4 = coli.load(hf, threads=2, quant="int4")  # int4 experts: packed where their rows are a multiple of 4
-    assert all(m.packed == (INT4_EXPERTS and shape == "whole") for m in _experts(int4))
+    assert all(m.packed == (PACKS and shape == "whole") for m in _experts(int4))
 
 
-@needs_int4_experts
+@needs_tiles  # (a path with int4 tiles packs resident int4 experts)
 @pytest.mark.parametrize("fmt", ["int4", "int4s"])
 def test_resident_int4_experts_are_packed_and_streamed_ones_give_their_logits(moes, monkeypatch, tmp_path, fmt):
     """A converted int4 model read whole packs its experts in place, and gives the very logits

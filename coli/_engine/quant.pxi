@@ -35,11 +35,6 @@ cdef int16_t *_q16_scratch(size_t need) except NULL:
         _q16, _q16_cap = p, need
     return _q16
 
-# Whether this path computes int4 experts on tiles (QMatrix.pack) with the bits of their rows
-# (moe_experts arranges their activations at every token count, and rows take the tiles'
-# arithmetic): a MoE layer's int4 experts may then be packed where resident, with rows a
-# multiple of 4 (coli.weights.packing.pack_experts)
-INT4_EXPERT_TILES = bool(COLI_Q4X_TILES)
 FORMATS = {"f32": COLI_F32, "bf16": COLI_BF16, "int8": COLI_Q8, "int4": COLI_Q4A, "int4s": COLI_Q4}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 
@@ -815,7 +810,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     b = 0
     # on a path with int4 tiles every call arranges int4 experts' activations, whatever its
     # size: packed experts read only arranged activations, and experts in rows then compute as
-    # the tiles do (AVX-512 VNNI: the rows' multi-token tiles; AVX2: coli_q4x_rows), so a
+    # the tiles do (AVX-512 VNNI: the rows' multi-token tiles; AVX2: coli_q4tile_rx), so a
     # streamed layer's rows give a resident packed layer's bits and a token's bits do not
     # depend on its call (from COLI_Q4GEMM8_MIN tokens of an expert AVX2 takes the token-lane
     # GEMM, on rows and tiles alike)
@@ -860,7 +855,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         if xe != NULL:
             for e in range(E):
                 b = b if b > cnt[e] else cnt[e]
-            if b >= 2 or always:  # an expert with several tokens
+            if b >= 2 or always:  # an expert with several tokens, or int4 tiles
                 coli_expand_act(&job.ax, pairs, H, table.fmt, <int8_t *>job.ax.xe, ldx)
             else:
                 xe = job.ax.xe = job.ah.xe = NULL

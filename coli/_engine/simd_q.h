@@ -979,15 +979,10 @@ static inline void coli_gemm_any_of(const coli_act *a, int M, int Mcall, const c
             return;
         }
 #endif
-#if COLI_Q4X_ROWS_X
-        if (W->pk == NULL && a->xe != NULL) { /* AVX2: rows with arranged activations (MoE int4 experts)
-                                                 take the packed tiles' arithmetic, so they give their bits */
-            coli_q4x_rows(a, M, W, n0, nb, K, Y, ldy);
-            return;
-        }
-#endif
 #if COLI_Q4X_TILES
-        if (W->pk != NULL) { /* repacked rows (n0 a multiple of 4; the caller arranged the activations) */
+        /* repacked rows (n0 a multiple of 4; the caller arranged the activations), or on AVX2
+           rows with arranged activations (MoE int4 experts), with the same arithmetic */
+        if (W->pk != NULL || (COLI_Q4X_ROWS_X && a->xe != NULL)) {
             coli_q4x_packed(a, M, W, n0, nb, K, Y, ldy);
             return;
         }

@@ -822,33 +822,11 @@ static inline void coli_expand_act(const coli_act *a, int M, int K, int fmt, int
 #define COLI_Q4X_ROWS_X 0
 #endif
 
-#if COLI_Q4X_ROWS_X
-/* Y[m, n0 + n] for n < nb of a matrix in rows against arranged activations (a->xe), with the
- * arithmetic of the same rows packed (AVX2 tiles): MoE int4 experts in rows. */
-static inline void coli_q4x_rows(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
-                                 long ldy) {
-    int ngroups = (K + QK - 1) / QK;
-    for (int m = 0; m < M; m += COLI_Q4X_MR) {
-        int mr = M - m < COLI_Q4X_MR ? M - m : COLI_Q4X_MR;
-        coli_act sub = *a;
-        sub.xe = a->xe + m * a->lde;
-        for (int n = 0; n < nb; n += 4) {
-            int nr = nb - n < 4 ? nb - n : 4;
-            const uint8_t *wq = (const uint8_t *)W->w + (long)(n0 + n) * W->ldw;
-            const uint16_t *wd = W->d + (long)(n0 + n) * W->ldd, *wm = W->m ? W->m + (long)(n0 + n) * W->ldd : NULL;
-            float *y = Y + m * ldy + n0 + n;
-            if (W->fmt == COLI_Q4A)
-                coli_q4atile_rx(mr, &sub, wq, wd, wm, W->ldw, W->ldd, ngroups, y, ldy, nr);
-            else
-                coli_q4tile_rx(mr, &sub, wq, wd, NULL, W->ldw, W->ldd, ngroups, y, ldy, nr);
-        }
-    }
-}
-#endif
-
 #if COLI_Q4X_TILES
-/* Y[m, n0 + n] for n < nb of a repacked matrix (n0 a multiple of 4) against the arranged
- * activations a->xe (required), up to COLI_Q4X_MR tokens a tile (this path's tiles above). */
+/* Y[m, n0 + n] for n < nb against the arranged activations a->xe (required), up to
+ * COLI_Q4X_MR tokens a tile (this path's tiles above), of a repacked matrix (n0 a multiple of
+ * 4) or, on AVX2 (COLI_Q4X_ROWS_X), of one in rows with the same arithmetic (MoE int4
+ * experts in rows, coli_q4tile_rx). */
 static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, int n0, int nb, int K, float *Y,
                                    long ldy) {
     int ngroups = (K + QK - 1) / QK;
@@ -857,9 +835,20 @@ static inline void coli_q4x_packed(const coli_act *a, int M, const coli_mat *W, 
         coli_act sub = *a;
         sub.xe = a->xe + m * a->lde;
         for (int n = 0; n < nb; n += 4) {
-            const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
             int nr = nb - n < 4 ? nb - n : 4;
             float *y = Y + m * ldy + n0 + n;
+#if COLI_Q4X_ROWS_X
+            if (W->pk == NULL) {
+                const uint8_t *wq = (const uint8_t *)W->w + (long)(n0 + n) * W->ldw;
+                const uint16_t *wd = W->d + (long)(n0 + n) * W->ldd, *wm = W->m ? W->m + (long)(n0 + n) * W->ldd : NULL;
+                if (W->fmt == COLI_Q4A)
+                    coli_q4atile_rx(mr, &sub, wq, wd, wm, W->ldw, W->ldd, ngroups, y, ldy, nr);
+                else
+                    coli_q4tile_rx(mr, &sub, wq, wd, NULL, W->ldw, W->ldd, ngroups, y, ldy, nr);
+                continue;
+            }
+#endif
+            const uint8_t *pk = W->pk + ((n0 + n) / 4) * W->pks;
             if (W->fmt == COLI_Q4A)
                 coli_q4atile_pk(mr, &sub, pk, ngroups, y, ldy, nr);
             else

@@ -12,7 +12,7 @@ the head (:func:`pack_dense`), and the routed experts of layers held wholly in m
 their tiles give the rows' bits (:func:`pack_experts`): int8 experts go through coli_gemm_q16,
 which reads tiles or rows alike; int4 experts (rows a multiple of 4) go through arranged
 activations at every token count, with which rows compute as the tiles do (AVX-512 VNNI: the
-rows' multi-token tiles are the tiles' arithmetic; AVX2: coli_q4x_rows). Streamed layers keep
+rows' multi-token tiles are the tiles' arithmetic; AVX2: coli_q4tile_rx). Streamed layers keep
 their rows (cache slots are filled by reads of the file's rows) and so give a resident
 layer's results. All packed dense matrices of a model share one buffer, asked
 of the kernel for transparent huge pages: on 4 KB pages the same tiles decoded slower than
@@ -201,8 +201,8 @@ def _round64(n: int) -> int:
 def pack_experts(model, env=None) -> int:
     """Pack the experts of every MoE layer held wholly in memory where this path has tiles
     for them with the rows' bits (int8; int4 and int4s, rows a multiple of 4), unless
-    ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in one buffer of their own (``ResidentExperts.region``: a converted model's experts.bin, read
-    into huge pages) is packed into that buffer, through a copy of one layer at a time, so the
+    ``COLI_PACK=0``; returns the bytes packed. A layer whose experts sit in one buffer of
+    their own (``ResidentExperts.region``: a converted model's experts.bin, read into huge pages) is packed into that buffer, through a copy of one layer at a time, so the
     load never holds more than one layer twice; where the tiles take more room than the rows
     (rows no multiple of 4, columns narrower than a tile), or for any other layer, the tiles
     get a huge-page buffer of their own and the rows' memory is given back (a region's pages
@@ -215,13 +215,14 @@ def pack_experts(model, env=None) -> int:
     for moe in getattr(model, "moe_layers", []):
         src = getattr(moe, "experts", None)
         table = getattr(src, "table", None)
-        if table is None or getattr(src, "streamed", True) or table.fmt not in _expert_formats(K):
+        if table is None or getattr(src, "streamed", True):
             continue
         trios = [table.get(e) for e in range(table.n_experts)]
-        if table.fmt != K.FORMATS["int8"] and any(m.rows % 4 for t in trios for m in t if m is not None):
-            continue  # int4 tiles give the rows' bits in whole tiles of 4 rows only
         if any(m is None or not m.packed_bytes for t in trios for m in t):
-            continue  # packed already, or this path keeps int8 rows (AVX-512 without VNNI, scalar)
+            continue  # packed already, or this path keeps the format in rows (f32, bf16; int8 on
+            # AVX-512 without VNNI; everything on scalar)
+        if table.fmt != K.FORMATS["int8"] and any(m.rows % 4 for t in trios for m in t):
+            continue  # int4 tiles give the rows' bits in whole tiles of 4 rows only
         total = sum(_round64(m.packed_bytes) for t in trios for m in t)
         region = getattr(src, "region", None)
         if region is not None and region.nbytes >= total and region.ctypes.data % 64 == 0:
@@ -253,14 +254,6 @@ def pack_experts(model, env=None) -> int:
             release_pages(region)  # nothing reads the rows any more
         done += total
     return done
-
-
-def _expert_formats(K) -> tuple:
-    """The expert formats this path computes on tiles with the rows' bits: int8 wherever it
-    packs int8 (coli_gemm_q16 reads either); int4 and int4s wherever it packs int4 (moe_experts
-    arranges their activations at every token count, and rows then compute as the tiles do)."""
-    f = K.FORMATS
-    return (f["int8"], f["int4"], f["int4s"]) if getattr(K, "INT4_EXPERT_TILES", False) else (f["int8"],)
 
 
 def _room_for(nbytes: int) -> bool:
