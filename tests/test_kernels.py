@@ -948,3 +948,76 @@ def test_release_threads_retires_the_calling_threads_workers():
     assert tasks() == before - 1
     assert K.read_bytes(buf) == buf.size  # the next region starts a fresh worker
     assert tasks() == before
+
+
+@pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(16, 16, 64, 64, 0), (9, 3, 64, 64, 0), (8, 2, 128, 128, 0),
+                                                   (6, 6, 16, 16, 0), (4, 1, 64, 32, 64), (4, 4, 40, 24, 0)])
+@pytest.mark.parametrize("pos", [[0], [63], [64], [160], [419, 300, 65, 5]])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (150, 0.0), (0, 20.0)])
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_attention_wide_rows_give_the_heads_bits(nh, nkv, hd, vd, v_stride, pos, window, softcap, half, threads):
+    """One-token rows, each its own sequence's, attend every head of a chunk at once reading
+    whole cache rows (set_att_wide): the bits the runs of heads give, at chunk boundaries and
+    inside them, for several sequences, GQA, values inside the key rows, windows, soft-capping,
+    f32 and f16 caches, on each thread count; head dims that are not whole vectors take the
+    runs of heads either way. And the reference's values."""
+    rnd = _own_rand(nh * hd + len(pos) + window + threads)
+    cap = max(pos) + 1
+    kw = v_stride if v_stride else nkv * hd
+    dt = np.float16 if half else np.float32
+    caches = []
+    for _ in pos:
+        kc = rnd(cap, kw).astype(dt)
+        caches.append((kc, kc if v_stride else rnd(cap, nkv * vd).astype(dt)))
+    p = np.array(pos, np.int32)
+    kptr = np.array([kc.ctypes.data for kc, _ in caches], np.int64)
+    vptr = np.array([vc.ctypes.data for _, vc in caches], np.int64)
+    q = rnd(len(pos), nh * hd)
+    outs, before = [], K.get_att_wide()
+    try:
+        for mode in (0, 1, 2):
+            K.set_att_wide(mode)
+            out = np.empty((len(pos), nh * vd), np.float32)
+            K.attention(q, kptr, vptr, p, out, nh, nkv, hd, vd, 0.15, window, softcap, v_stride, half)
+            outs.append(out)
+    finally:
+        K.set_att_wide(before)
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"wide rows vs runs of heads, {threads} threads")
+    np.testing.assert_array_equal(outs[0], outs[2], err_msg=f"the default vs runs of heads, {threads} threads")
+    if softcap:
+        return
+    ks, vs = [], []
+    for kc, vc in caches:
+        k32 = kc.astype(np.float32)
+        ks.append(k32[:, : nkv * hd].reshape(cap, nkv, hd))
+        vs.append((k32[:, :vd] if v_stride else vc.astype(np.float32)).reshape(cap, nkv, vd))
+    np.testing.assert_allclose(outs[1], R.attention(q, ks, vs, p, nh, nkv, hd, vd, 0.15, window), **TOL)
+
+
+def test_attention_wide_rows_read_no_position_past_the_row():
+    """Either way a decode row's result does not depend on cache rows past its position
+    (overwritten with huge values between the two ways, the results are equal and finite), and
+    a mode outside 0-2 is refused."""
+    rnd = _own_rand(7)
+    nh = nkv = 16
+    hd = 64
+    k = rnd(200, nkv * hd).astype(np.float16)
+    v = rnd(200, nkv * hd).astype(np.float16)
+    q = rnd(1, nh * hd)
+    kp, vp, p = np.array([k.ctypes.data]), np.array([v.ctypes.data]), np.array([150], np.int32)
+    before = K.get_att_wide()
+    try:
+        res = []
+        for mode in (1, 0):
+            K.set_att_wide(mode)
+            assert K.get_att_wide() == mode
+            out = np.full((1, nh * hd), np.nan, np.float32)
+            K.attention(q, kp.astype(np.int64), vp.astype(np.int64), p, out, nh, nkv, hd, hd, 0.125, half=True)
+            k[151:] = np.float16(1e4)  # beyond the row: never read
+            res.append(out.copy())
+        np.testing.assert_array_equal(res[0], res[1])
+        assert np.isfinite(res[0]).all()
+        with pytest.raises(ValueError, match="mode is 0, 1 or 2"):
+            K.set_att_wide(3)
+    finally:
+        K.set_att_wide(before)

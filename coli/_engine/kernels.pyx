@@ -71,6 +71,11 @@ cdef extern from "simd.h" nogil:
     void coli_f16_row(const uint16_t *h, long d, float *o)
     const void *COLI_KV_AT(const void *p, long i, int half)
     void coli_attend_join(float *o, const float *oc, const float *ml, int nc, int vd)
+    int coli_attend_wide_fits(int hd, int vd, int half)
+    long COLI_ATT_WIDE_WORK(int nh)
+    void coli_attend_wide(const float *q, const void *K, long ks, const void *V, long vs, int nkv, int group, int c0,
+                          int c1, int hd, int vd, float scale, float softcap, int half, float *oc, long ldo, float *ml,
+                          long lds, float *work)
     void coli_gemm_nt(const float *X, long ldx, int M, const float *W, long ldw, int N, int K,
                       float *Y, long ldy)
     void coli_gated_act_row(const float *g, const float *u, float *out, int n, int act)
@@ -709,6 +714,22 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
                      a.scale, a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch)
 
 
+cdef void _att_wide(const att_call *a, long idx, float *work) noexcept nogil:
+    """Item idx = m * maxch + c: chunk c of row m, all its heads (coli_attend_wide), into its
+    slots; work: the thread's scratch."""
+    cdef int m = idx // a.maxch
+    cdef int c = idx - <long>m * a.maxch
+    cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1
+    if j0 >= j1:  # a shorter row than the longest
+        return
+    if j1 - j0 > COLI_ATT_CH:
+        j1 = j0 + COLI_ATT_CH
+    cdef long slot = <long>m * a.nh * a.maxch + c
+    coli_attend_wide(a.q + <long>m * a.nh * a.hd, <const void *>a.kptr[m], a.ks, <const void *>a.vptr[m], a.vs,
+                     a.nkv, a.group, j0, j1, a.hd, a.vd, a.scale, a.softcap, a.half, a.slots + slot * a.vd,
+                     <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch, work)
+
+
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
     """Item idx = m * nh + h: head h of row m, its chunks merged in order."""
     cdef int m = idx // a.nh
@@ -725,6 +746,26 @@ def set_att_prefetch(int chunks):
 
 def get_att_prefetch():
     return coli_att_prefetch
+
+
+cdef int _att_wide_mode = 2
+
+
+def set_att_wide(int mode):
+    """How one-token rows that are alone in their sequence attend: 0 by runs of heads of a KV
+    group; 1 every head of a chunk at once, reading whole cache rows (coli_attend_wide), wherever
+    the head dims fit; 2 (the default) so where every query head has its own KV head (olmoe's
+    shape: 1.35-1.6x faster from a cold cache), by runs of heads under GQA, whose runs already
+    share each row slice they read (SmolLM2's shape at 2000 positions: 1.35x slower wide). For
+    tests and measurements: results do not depend on it."""
+    global _att_wide_mode
+    if mode not in (0, 1, 2):
+        raise ValueError("set_att_wide: mode is 0, 1 or 2")
+    _att_wide_mode = mode
+
+
+def get_att_wide():
+    return _att_wide_mode
 
 
 cdef float *_att_buf = NULL  # attention's scratch (split chunk outputs, per-thread merge rows), grown
@@ -775,7 +816,11 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     stretch of whole cache rows, merged after a barrier in the same order. Either way a thread
     asks for the rows of the chunk it will read next into L2 while it computes one
     (set_att_prefetch). Every row's arithmetic is the same either way, so results do not depend
-    on the thread count or on which rows share the call. Nothing is allocated in the steady state (a
+    on the thread count or on which rows share the call. Rows alone in their sequence (one-token
+    decode) whose heads each have their own KV head take items (row, chunk) instead, every head
+    at once, reading whole cache rows in address order (coli_attend_wide, set_att_wide): the
+    same arithmetic and bits, 1.5x faster from a cold cache on olmoe's shape. Nothing is
+    allocated in the steady state (a
     scratch buffer grows to the largest call: a few KB a thread and a table of tiles)."""
     cdef att_call a
     a.q = <const float *>_arr(q, cnp.NPY_FLOAT32, 2, False, "attention: q")
@@ -818,6 +863,11 @@ cdef int _attend(att_call *a, int M) except -1:
         a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb
     nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
+    if (_att_wide_mode == 1 or _att_wide_mode == 2 and a.group == 1) and coli_attend_wide_fits(a.hd, a.vd, a.half) \
+            and _att_lone_rows(a, M) and \
+            <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
+        _attend_wide(a, M, nt)
+        return 0
     if nt > 1 and a.maxch > 1 and <long>M * units < 4 * nt and <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
         a.slots = _att_scratch(<size_t>M * a.nh * a.maxch * (a.vd + 2))
         a.ml = a.slots + <long>M * a.nh * a.maxch * a.vd
@@ -857,6 +907,44 @@ cdef int _attend(att_call *a, int M) except -1:
         else:
             for idx in prange(nitems, num_threads=nt, schedule='static', chunksize=per):
                 _att_tile(a, idx, base + threadid() * (tw + ww), base + threadid() * (tw + ww) + tw if ww else NULL)
+    return 0
+
+
+cdef bint _att_lone_rows(const att_call *a, int M) noexcept nogil:
+    """Whether no two neighbouring rows read the same caches (one-token decode rows, each its
+    own sequence's; a prompt's or a draft's rows share theirs and go by tiles)."""
+    cdef int m
+    for m in range(1, M):
+        if a.kptr[m] == a.kptr[m - 1] and a.vptr[m] == a.vptr[m - 1]:
+            return False
+    return True
+
+
+cdef int _attend_wide(att_call *a, int M, int nt) except -1:
+    """Rows that are alone in their sequence: items (row, chunk), every head at once, reading
+    whole cache rows in order (coli_attend_wide), each thread a stretch of chunks; the heads'
+    chunks merge after a barrier in chunk order (coli_attend_join), as the split items do."""
+    cdef long nslot = <long>M * a.nh * a.maxch, nitems = <long>M * a.maxch, idx
+    cdef long work = (COLI_ATT_WIDE_WORK(a.nh) + 15) // 16 * 16
+    nt = max(1, min(nt, nitems))
+    cdef float *base = _att_scratch(<size_t>(nslot * (a.vd + 2) + nt * work + 32))
+    base += (16 - (<uintptr_t>base // sizeof(float)) % 16) % 16  # 64-byte aligned
+    a.slots = base
+    a.ml = base + nslot * a.vd
+    cdef float *w = a.ml + 2 * nslot
+    w += (16 - (<uintptr_t>w // sizeof(float)) % 16) % 16  # 64-byte aligned
+    with nogil:
+        if nt == 1:
+            for idx in range(nitems):
+                _att_wide(a, idx, w)
+            for idx in range(<long>M * a.nh):
+                _att_join(a, idx)
+        else:
+            with parallel(num_threads=nt):
+                for idx in prange(nitems, schedule='static', chunksize=1):
+                    _att_wide(a, idx, w + threadid() * work)
+                for idx in prange(<long>M * a.nh, schedule='static'):
+                    _att_join(a, idx)
     return 0
 
 

@@ -734,6 +734,36 @@ static inline void coli_attend_prefetch(const void *Kg, long ks, const void *Vg,
     }
 }
 
+/* A block's raw scores v (lane i = key i of its n) scaled, soft-capped (softcap > 0: softcap *
+ * tanh(s / softcap)) and stored at s, lanes >= n as -inf: what every decode and prefill item
+ * does to its scores, so that they are the same bits whichever kernel computed them. */
+static inline void coli_att_score(cv_t v, int n, float scale, float softcap, float *s) {
+    v = cv_mul(v, cv_set1(scale));
+    if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
+        _Alignas(64) float t[CV_W];
+        cv_store(t, v);
+        for (int j = 0; j < n; j++) t[j] = softcap * tanhf(t[j] / softcap);
+        v = cv_load(t);
+    }
+    cv_store(s, cv_keep(v, n, -INFINITY));
+}
+
+/* One head's chunk of scores (nvec vectors at s) turned in place into e^(s - m_c), its max m_c
+ * to ml[0] and its sum l_c to ml[1]. */
+static inline void coli_att_softmax(float *s, int nvec, float *ml) {
+    cv_t mv = cv_load(s);
+    for (int v = 1; v < nvec; v++) mv = cv_max(mv, cv_load(s + v * CV_W));
+    float mx = cv_hmax(mv);
+    cv_t m = cv_set1(mx), l = cv_zero();
+    for (int v = 0; v < nvec; v++) {
+        cv_t e = cv_exp(cv_sub(cv_load(s + v * CV_W), m));
+        cv_store(s + v * CV_W, e);
+        l = cv_add(l, e);
+    }
+    ml[0] = mx;
+    ml[1] = cv_sum(l);
+}
+
 /* One work item: heads h0 .. h0+nb-1 of one row (nb <= COLI_ATT_HB, all of one KV head) against
  * keys [c0, c1) (c1 - c0 <= COLI_ATT_CH). q: the row's queries (head h at q + h*hd); Kg, Vg: that
  * KV head's rows (key j at Kg + j*ks, Vg + j*vs elements): float32, or f16 when half is set
@@ -781,30 +811,11 @@ static inline void coli_attend_part(const float *q, const void *Kg, long ks, con
             }
 #endif
         }
-        for (int i = 0; i < nb; i++) {
-            cv_t v = cv_mul(direct ? sc[i] : coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), cv_set1(scale));
-            if (softcap > 0.0f) { /* rare (Gemma 2): scalar tanh */
-                _Alignas(64) float t[CV_W];
-                cv_store(t, v);
-                for (int j = 0; j < n; j++) t[j] = softcap * tanhf(t[j] / softcap);
-                v = cv_load(t);
-            }
-            cv_store(s[i] + b, cv_keep(v, n, -INFINITY));
-        }
+        for (int i = 0; i < nb; i++)
+            coli_att_score(direct ? sc[i] : coli_qk_block(q + (long)(h0 + i) * hd, Kb, kst, n, hd), n, scale, softcap,
+                           s[i] + b);
     }
-    for (int i = 0; i < nb; i++) {
-        cv_t mv = cv_load(s[i]);
-        for (int v = 1; v < nvec; v++) mv = cv_max(mv, cv_load(s[i] + v * CV_W));
-        float mx = cv_hmax(mv);
-        cv_t m = cv_set1(mx), l = cv_zero();
-        for (int v = 0; v < nvec; v++) {
-            cv_t e = cv_exp(cv_sub(cv_load(s[i] + v * CV_W), m));
-            cv_store(s[i] + v * CV_W, e);
-            l = cv_add(l, e);
-        }
-        ml[i * lds] = mx;
-        ml[i * lds + 1] = cv_sum(l);
-    }
+    for (int i = 0; i < nb; i++) coli_att_softmax(s[i], nvec, ml + i * lds);
     const float *V0 = half ? NULL : (const float *)Vg + (long)c0 * vs;
     int sv = V0 != NULL && nb > 1 ? coli_row_shift(V0, vs, vd) : 0;
 #if defined(cv_load_h)
@@ -969,6 +980,127 @@ static inline void coli_attend_join(float *o, const float *oc, const float *ml, 
     memcpy(o, oc, (size_t)vd * sizeof(float));
     for (int c = 1; c < nc; c++) coli_attend_merge(o, &m, &l, oc + (long)c * vd, ml[2 * c], ml[2 * c + 1], vd);
     coli_attend_finish(o, l, vd);
+}
+
+/* ---- decode attention, every head of a row at once -------------------------------------
+ * A work item of coli_attend_part reads one KV head's slice of each cache row: rows hold every
+ * KV head of a position, so that is a few lines every few KB, a walk the hardware prefetchers
+ * hardly follow (olmoe's 16 KV heads of 64 f16: 128 bytes every 2 KB). Read that way a decode
+ * step's cold cache came at 7-9 GB/s where its weights stream at 31-33 (BENCHMARKS.md). Here one
+ * query row takes one chunk of its keys for all its heads, reading the chunk's K rows and then
+ * its V rows each whole and in address order, the walk the prefetchers follow best.
+ *
+ * The arithmetic is coli_attend_part's, for head dims that are whole vectors (coli_attend_wide_fits):
+ * a key's score for head h is the chain of FMAs over its vectors from zero, the block's CV_W
+ * chains summed by cv_sum_lanes, scaled and capped by coli_att_score, the chunk's softmax by
+ * coli_att_softmax, and each output lane the chain of FMAs over the chunk's keys in order from
+ * zero. Only where the chains wait differs: the score chains of a block (nh x CV_W vectors) and
+ * the output sums (nh x vd floats, at oc) are kept in L1 instead of registers. So a head's
+ * chunk output, max and sum are coli_attend_part's bits and merge as its do. */
+
+/* Whether coli_attend_wide computes heads of these dims (whole vectors) from such a cache */
+static inline int coli_attend_wide_fits(int hd, int vd, int half) {
+#if !defined(cv_load_h)
+    if (half) return 0;
+#endif
+    return hd % CV_W == 0 && vd % CV_W == 0;
+}
+
+/* floats of the scratch coli_attend_wide takes for nh heads (64-byte aligned): the score
+ * chains of a block, the chunk's scores, each head's offset in a key row */
+#define COLI_ATT_WIDE_WORK(nh) ((long)(nh) * (CV_W * CV_W + COLI_ATT_CH + 1))
+
+/* While it reads one K or V row, coli_attend_wide asks for the row this many ahead into L2 (when
+ * coli_att_prefetch is on): the prefetchers alone, on rows of a few KB, kept too few lines in flight.
+ * With it one-token attention of olmoe-mini's shape read a cold cache 1.25-1.4x faster at 160-2000
+ * positions; 2, 4 and 8 rows measured alike, 16 worse (BENCHMARKS.md). */
+#define COLI_ATT_WIDE_AHEAD 4
+static inline void coli_prefetch_row(const void *p, long bytes) {
+    for (long b = 0; b < bytes; b += 64) COLI_PREFETCH_L2((const char *)p + b);
+}
+#define COLI_ATT_WIDE_OF(SFX, VT, LOAD)                                                            \
+    static inline void coli_attend_wide##SFX(const float *q, const VT *K, long ks, const VT *V, long vs, int nkv, \
+                                             int group, int c0, int c1, int hd, int vd, float scale, float softcap, \
+                                             float *oc, long ldo, float *ml, long lds, float *work) {     \
+        int nh = nkv * group, ahead = coli_att_prefetch > 0, nk = c1 - c0, nq = hd / CV_W, nv = vd / CV_W;                        \
+        cv_t *acc = (cv_t *)work; /* acc[h * CV_W + i]: head h's chain for key i of the block */  \
+        float *s = work + (long)nh * CV_W * CV_W; /* s[h * COLI_ATT_CH + j]: head h, key j */      \
+        int *koff = (int *)(s + (long)nh * COLI_ATT_CH); /* head h's keys at + koff[h] in a row */ \
+        for (int h = 0; h < nh; h++) koff[h] = h / group * hd;                                     \
+        for (int b = 0; b < nk; b += CV_W) {                                                       \
+            int n = nk - b < CV_W ? nk - b : CV_W;                                                 \
+            for (int i = 0; i < n; i++) {                                                          \
+                const VT *k = K + (long)(c0 + b + i) * ks;                                         \
+                if (ahead && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1)                                \
+                    coli_prefetch_row(k + COLI_ATT_WIDE_AHEAD * ks, (long)nkv * hd * sizeof(VT));  \
+                int h = 0;                                                                         \
+                for (; h + 4 <= nh; h += 4) { /* four heads' chains in flight */                  \
+                    const float *qh = q + (long)h * hd;                                            \
+                    const VT *k0 = k + koff[h], *k1 = k + koff[h + 1], *k2 = k + koff[h + 2], *k3 = k + koff[h + 3]; \
+                    cv_t a0 = cv_zero(), a1 = cv_zero(), a2 = cv_zero(), a3 = cv_zero();           \
+                    for (int v = 0; v < nq; v++) {                                                 \
+                        a0 = cv_fma(cv_load(qh + v * CV_W), LOAD(k0 + v * CV_W), a0);              \
+                        a1 = cv_fma(cv_load(qh + hd + v * CV_W), LOAD(k1 + v * CV_W), a1);         \
+                        a2 = cv_fma(cv_load(qh + 2 * hd + v * CV_W), LOAD(k2 + v * CV_W), a2);     \
+                        a3 = cv_fma(cv_load(qh + 3 * hd + v * CV_W), LOAD(k3 + v * CV_W), a3);     \
+                    }                                                                              \
+                    acc[h * CV_W + i] = a0, acc[(h + 1) * CV_W + i] = a1;                          \
+                    acc[(h + 2) * CV_W + i] = a2, acc[(h + 3) * CV_W + i] = a3;                    \
+                }                                                                                  \
+                for (; h < nh; h++) {                                                              \
+                    const float *qh = q + (long)h * hd;                                            \
+                    const VT *k0 = k + koff[h];                                                    \
+                    cv_t a = cv_zero();                                                            \
+                    for (int v = 0; v < nq; v++) a = cv_fma(cv_load(qh + v * CV_W), LOAD(k0 + v * CV_W), a); \
+                    acc[h * CV_W + i] = a;                                                         \
+                }                                                                                  \
+            }                                                                                      \
+            for (int h = 0; h < nh; h++) {                                                         \
+                for (int i = n; i < CV_W; i++) acc[h * CV_W + i] = cv_zero();                      \
+                coli_att_score(cv_sum_lanes(acc + h * CV_W), n, scale, softcap, s + (long)h * COLI_ATT_CH + b); \
+            }                                                                                      \
+        }                                                                                          \
+        int nvec = (nk + CV_W - 1) / CV_W;                                                         \
+        for (int h = 0; h < nh; h++) coli_att_softmax(s + (long)h * COLI_ATT_CH, nvec, ml + (long)h * lds); \
+        for (int j = 0; j < nk; j++) {                                                             \
+            const VT *x = V + (long)(c0 + j) * vs;                                                 \
+            if (ahead && c0 + j + COLI_ATT_WIDE_AHEAD < c1)                                        \
+                coli_prefetch_row(x + COLI_ATT_WIDE_AHEAD * vs, (long)nkv * vd * sizeof(VT));      \
+            for (int g = 0, h = 0; g < nkv; g++, x += vd)                                          \
+                for (int r = 0; r < group; r++, h++) {                                             \
+                    float *o = oc + (long)h * ldo;                                                 \
+                    cv_t p = cv_set1(s[(long)h * COLI_ATT_CH + j]);                                \
+                    if (j == 0)                                                                    \
+                        for (int v = 0; v < nv; v++) cv_store(o + v * CV_W, cv_fma(p, LOAD(x + v * CV_W), cv_zero())); \
+                    else                                                                           \
+                        for (int v = 0; v < nv; v++)                                               \
+                            cv_store(o + v * CV_W, cv_fma(p, LOAD(x + v * CV_W), cv_load(o + v * CV_W))); \
+                }                                                                                  \
+        }                                                                                          \
+    }
+COLI_ATT_WIDE_OF(_f32, float, cv_load)
+#if defined(cv_load_h)
+COLI_ATT_WIDE_OF(_f16, uint16_t, cv_load_h)
+#endif
+
+/* Every head of one query row (q: head h at q + h*hd) against keys [c0, c1) (one chunk, at most
+ * COLI_ATT_CH) of its cache: K, V the caches' rows (key j at K + j*ks, V + j*vs elements; KV head g
+ * at + g*hd, + g*vd), float32 or f16 (half). Head h's unnormalized chunk output to oc + h*ldo, its
+ * max and sum to ml[h*lds], ml[h*lds + 1] (coli_attend_part's outputs). work:
+ * COLI_ATT_WIDE_WORK(nkv * group) floats, 64-byte aligned. The head dims must fit
+ * (coli_attend_wide_fits). */
+static inline void coli_attend_wide(const float *q, const void *K, long ks, const void *V, long vs, int nkv,
+                                    int group, int c0, int c1, int hd, int vd, float scale, float softcap, int half,
+                                    float *oc, long ldo, float *ml, long lds, float *work) {
+#if defined(cv_load_h)
+    if (half) {
+        coli_attend_wide_f16(q, (const uint16_t *)K, ks, (const uint16_t *)V, vs, nkv, group, c0, c1, hd, vd, scale,
+                             softcap, oc, ldo, ml, lds, work);
+        return;
+    }
+#endif
+    coli_attend_wide_f32(q, (const float *)K, ks, (const float *)V, vs, nkv, group, c0, c1, hd, vd, scale, softcap,
+                         oc, ldo, ml, lds, work);
 }
 
 /* Query heads [h0, h1) of one row (head h at q + h*hd, output at o + h*vd) against keys
