@@ -736,12 +736,19 @@ def test_attention_prefill_tiles_are_rows_alone(nh, nkv, hd, vd, v_stride, windo
         K.attention(q[m : m + 1], kptr[m : m + 1], vptr[m : m + 1], pos[m : m + 1], alone, nh, nkv, hd, vd, 0.15,
                     window, 0.0, v_stride, half)
         np.testing.assert_array_equal(alone[0], batch[m], err_msg=f"row {m} at position {pos[m]} ({threads} threads)")
-    ks, vs = [], []
-    for kc, vc, r in seqs:
-        k32 = kc.astype(np.float32)
-        ks += [k32[:, : nkv * hd].reshape(cap, nkv, hd)] * len(r)
-        vs += [(k32[:, :vd] if v_stride else vc.astype(np.float32)).reshape(cap, nkv, vd)] * len(r)
+    ks, vs = _as_reference_caches([(kc, vc) for kc, vc, r in seqs for _ in r], cap, nkv, hd, vd, v_stride)
     np.testing.assert_allclose(batch, R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
+
+
+def _as_reference_caches(pairs, cap, nkv, hd, vd, v_stride):
+    """Each (key cache, value cache) pair as the reference's float32 (cap, nkv, hd) keys and
+    (cap, nkv, vd) values (MLA, v_stride: the values lead the key rows)."""
+    ks, vs = [], []
+    for kc, vc in pairs:
+        k32 = kc.astype(np.float32)
+        ks.append(k32[:, : nkv * hd].reshape(cap, nkv, hd))
+        vs.append((k32[:, :vd] if v_stride else vc.astype(np.float32)).reshape(cap, nkv, vd))
+    return ks, vs
 
 
 @pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(9, 3, 64, 64, 0), (4, 4, 40, 24, 0), (8, 1, 72, 48, 72)])
@@ -782,11 +789,7 @@ def test_attention_prefetch_changes_no_bits(nh, nkv, hd, vd, v_stride, rows, win
         K.set_att_prefetch(before)
     for ahead, out in zip((1, 3), outs[1:]):
         np.testing.assert_array_equal(outs[0], out, err_msg=f"{ahead} chunk(s) ahead, {threads} threads")
-    ks, vs = [], []
-    for i in which:
-        k32 = caches[i][0].astype(np.float32)
-        ks.append(k32[:, : nkv * hd].reshape(cap, nkv, hd))
-        vs.append((k32[:, :vd] if v_stride else caches[i][1].astype(np.float32)).reshape(cap, nkv, vd))
+    ks, vs = _as_reference_caches([caches[i] for i in which], cap, nkv, hd, vd, v_stride)
     np.testing.assert_allclose(outs[1], R.attention(q, ks, vs, pos, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 
@@ -986,11 +989,7 @@ def test_attention_wide_rows_give_the_heads_bits(nh, nkv, hd, vd, v_stride, pos,
     np.testing.assert_array_equal(outs[0], outs[2], err_msg=f"the default vs runs of heads, {threads} threads")
     if softcap:
         return
-    ks, vs = [], []
-    for kc, vc in caches:
-        k32 = kc.astype(np.float32)
-        ks.append(k32[:, : nkv * hd].reshape(cap, nkv, hd))
-        vs.append((k32[:, :vd] if v_stride else vc.astype(np.float32)).reshape(cap, nkv, vd))
+    ks, vs = _as_reference_caches(caches, cap, nkv, hd, vd, v_stride)
     np.testing.assert_allclose(outs[1], R.attention(q, ks, vs, p, nh, nkv, hd, vd, 0.15, window), **TOL)
 
 

@@ -914,8 +914,8 @@ cdef bint _att_lone_rows(const att_call *a, int M) noexcept nogil:
     """Whether no two neighbouring rows read the same caches (one-token decode rows, each its
     own sequence's; a prompt's or a draft's rows share theirs and go by tiles)."""
     cdef int m
-    for m in range(1, M):
-        if a.kptr[m] == a.kptr[m - 1] and a.vptr[m] == a.vptr[m - 1]:
+    for m in range(M - 1):
+        if _run_end(a, m, M) > m + 1:
             return False
     return True
 
