@@ -6,6 +6,7 @@ layer last read them) and when they sit in L1 / L2.
     python benchmarks/bench_attention_decode.py --threads 1 --pos 136 --half   # an f16 cache, the default
     python benchmarks/bench_attention_decode.py -m DIR --threads 2 --streams 4 --context 2048  # whole steps
     python benchmarks/bench_attention_decode.py --threads 2 --pos 160 --half --heads 16 --kv-heads 16 --layers 8 --wide 0
+    python benchmarks/bench_attention_decode.py --threads 2 --pos 191 --half --heads 16 --kv-heads 16 --layers 8 --split 0
 
 Shape: SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64, 30 layers). Cold: the 30 layers'
 caches attended in turn, ``--evict`` MB walked between passes; hot: one cache, again and
@@ -61,12 +62,16 @@ def main() -> None:
     ap.add_argument("--wide", type=int, default=2, choices=(0, 1, 2),
                     help="one-token rows: 0 by runs of heads, 1 every head at once, 2 (default) the engine's choice "
                          "(kernels.set_att_wide)")
+    ap.add_argument("--split", type=int, default=1, choices=(0, 1),
+                    help="K.set_att_wide_split: 1 (the default) cuts a lone row's leftover chunks into one part "
+                         "of their heads a thread, 0 gives each chunk whole to one thread")
     ap.add_argument("-m", "--model", help="time whole decode steps of this model instead of the kernel")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()
     K.set_att_wide(a.wide)
+    K.set_att_wide_split(bool(a.split))
     if a.model:
         steps(a)
         return
@@ -109,7 +114,7 @@ def main() -> None:
     for t in (cold, hot, cold_cpu, hot_cpu):
         t.sort()
     print(f"{K.simd_name()} · {a.threads} threads · position {a.pos} · offset {a.offset % 16} · "
-          f"wide mode {a.wide} · "
+          f"wide mode {a.wide} · split {a.split} · "
           f"load {os.getloadavg()[0]:.1f}")
     for name, wall, cpu in (("cold", cold, cold_cpu), ("hot ", hot, hot_cpu)):
         line = f"{name}: median {wall[len(wall) // 2]:.2f} us/call, min {wall[0]:.2f}"

@@ -978,19 +978,65 @@ def test_attention_wide_rows_give_the_heads_bits(nh, nkv, hd, vd, v_stride, pos,
     q = rnd(len(pos), nh * hd)
     outs, before = [], K.get_att_wide()
     try:
-        for mode in (0, 1, 2):
+        for mode, split in ((0, True), (1, True), (2, True), (1, False)):
             K.set_att_wide(mode)
+            K.set_att_wide_split(split)
             out = np.empty((len(pos), nh * vd), np.float32)
             K.attention(q, kptr, vptr, p, out, nh, nkv, hd, vd, 0.15, window, softcap, v_stride, half)
             outs.append(out)
     finally:
         K.set_att_wide(before)
+        K.set_att_wide_split(True)
     np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"wide rows vs runs of heads, {threads} threads")
     np.testing.assert_array_equal(outs[0], outs[2], err_msg=f"the default vs runs of heads, {threads} threads")
+    np.testing.assert_array_equal(outs[0], outs[3], err_msg=f"whole chunks vs head parts, {threads} threads")
     if softcap:
         return
     ks, vs = _as_reference_caches(caches, cap, nkv, hd, vd, v_stride)
     np.testing.assert_allclose(outs[1], R.attention(q, ks, vs, p, nh, nkv, hd, vd, 0.15, window), **TOL)
+
+
+@pytest.mark.parametrize("nh,nkv", [(16, 16), (9, 3)])
+def test_attention_takes_the_way_its_rows_call_for(nh, nkv, threads):
+    """Which way attention went (attention_ways): a one-token row alone in its sequence goes
+    wide where every head has its own KV head (and by split runs of heads under GQA, the
+    default), a prompt's rows by tiles, and with wide rows off never wide; with two threads a
+    row whose chunks do not go round evenly (160 keys: two whole chunks and a short one, or
+    one short chunk) has its leftover chunks cut into head parts, one a thread, unless that
+    is switched off (set_att_wide_split) or the heads are too few to cut."""
+    rnd = _own_rand(nh + threads)
+    hd, cap = 64, 300
+    kc, vc = rnd(cap, nkv * hd).astype(np.float16), rnd(cap, nkv * hd).astype(np.float16)
+    kp, vp = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
+
+    def ways(pos, rows=1, mode=2, split=True):
+        K.set_att_wide(mode)
+        K.set_att_wide_split(split)
+        out = np.empty((rows, nh * hd), np.float32)
+        K.attention_ways(reset=True)
+        K.attention(rnd(rows, nh * hd), np.repeat(kp, rows), np.repeat(vp, rows),
+                    np.arange(pos - rows + 1, pos + 1, dtype=np.int32), out, nh, nkv, hd, hd, 0.125, half=True)
+        return {k: v for k, v in K.attention_ways().items() if v}
+
+    before = K.get_att_wide()
+    try:
+        alone = {"wide": 1, "wide_parts": 1} if threads == 2 else {"wide": 1}
+        if nkv == nh:
+            assert ways(159) == alone  # 160 keys: 64 + 64 + 32
+            assert ways(40) == alone  # one short chunk
+            assert ways(127) == {"wide": 1}  # two whole chunks go round two threads
+            assert ways(159, split=False) == {"wide": 1}
+            assert ways(159, mode=0) == {"tiles": 1}  # 16 runs of heads keep two threads busy
+        else:
+            assert ways(159) == ({"split": 1} if threads == 2 else {"tiles": 1})  # GQA: 3 runs of heads, split
+            assert ways(159, mode=1) == alone
+        assert ways(159, rows=20) == {"tiles": 1}  # a prompt's rows share their cache
+        assert K.attention_ways() == {"tiles": 1, "split": 0, "wide": 0, "wide_parts": 0}
+        K.attention_ways(reset=True)
+        assert K.attention_ways() == {"tiles": 0, "split": 0, "wide": 0, "wide_parts": 0}
+    finally:
+        K.set_att_wide(before)
+        K.set_att_wide_split(True)
 
 
 def test_attention_wide_rows_read_no_position_past_the_row():

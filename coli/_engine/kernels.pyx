@@ -639,6 +639,7 @@ cdef struct att_call:
     const int32_t *pos
     float *out
     int nh, nkv, group, nsb, hd, vd, window, maxch
+    int whole, parts  # wide items (_attend_wide): the first ``whole`` chunks whole, the rest in ``parts`` head parts
     long ks, vs
     float scale, softcap
     int half        # the caches are f16 (else float32)
@@ -716,18 +717,28 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
 
 cdef void _att_wide(const att_call *a, long idx, float *work) noexcept nogil:
     """Item idx = m * maxch + c: chunk c of row m, all its heads (coli_attend_wide), into its
-    slots; work: the thread's scratch."""
-    cdef int m = idx // a.maxch
-    cdef int c = idx - <long>m * a.maxch
+    slots; or, with a.parts > 1 (one row), past a.whole: part p of chunk c, idx = a.whole + (c -
+    a.whole) * a.parts + p, the p-th of a.parts runs of whole KV groups. work: the thread's scratch."""
+    cdef int m = 0, c = idx, g0 = 0, g1 = a.nkv, k
+    if a.parts == 1:
+        m = idx // a.maxch
+        c = idx - <long>m * a.maxch
+    elif idx >= a.whole:
+        k = idx - a.whole
+        c = a.whole + k // a.parts
+        k = k - (c - a.whole) * a.parts
+        g0, g1 = k * a.nkv // a.parts, (k + 1) * a.nkv // a.parts
     cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1
-    if j0 >= j1:  # a shorter row than the longest
+    if j0 >= j1 or g0 == g1:  # a shorter row than the longest; a part with no heads
         return
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
-    cdef long slot = <long>m * a.nh * a.maxch + c
-    coli_attend_wide(a.q + <long>m * a.nh * a.hd, <const void *>a.kptr[m], a.ks, <const void *>a.vptr[m], a.vs,
-                     a.nkv, a.group, j0, j1, a.hd, a.vd, a.scale, a.softcap, a.half, a.slots + slot * a.vd,
-                     <long>a.maxch * a.vd, a.ml + 2 * slot, 2 * a.maxch, work)
+    cdef int h0 = g0 * a.group
+    cdef long slot = (<long>m * a.nh + h0) * a.maxch + c
+    coli_attend_wide(a.q + (<long>m * a.nh + h0) * a.hd, COLI_KV_AT(<const void *>a.kptr[m], <long>g0 * a.hd, a.half),
+                     a.ks, COLI_KV_AT(<const void *>a.vptr[m], <long>g0 * a.vd, a.half), a.vs, g1 - g0, a.group,
+                     j0, j1, a.hd, a.vd, a.scale, a.softcap, a.half, a.slots + slot * a.vd, <long>a.maxch * a.vd,
+                     a.ml + 2 * slot, 2 * a.maxch, work)
 
 
 cdef void _att_join(const att_call *a, long idx) noexcept nogil:
@@ -766,6 +777,34 @@ def set_att_wide(int mode):
 
 def get_att_wide():
     return _att_wide_mode
+
+
+cdef int _att_wide_split = 1
+
+
+def set_att_wide_split(bint on):
+    """Whether a lone one-token row's chunks that do not go round the threads evenly are cut
+    into parts of their heads, one a thread (default on; see _attend_wide). For tests and
+    measurements: results do not depend on it."""
+    global _att_wide_split
+    _att_wide_split = on
+
+
+# How many attention calls went each way since the last reset (attention_ways): by tiles of
+# rows, by split chunks of runs of heads, by wide chunks, and how many of those wide calls cut
+# chunks into head parts. For tests and measurements (which way ran is invisible in the bits).
+cdef long _att_ways[4]
+
+
+def attention_ways(bint reset=False):
+    """The attention calls that went each way since the last reset: a dict of ``tiles``,
+    ``split``, ``wide`` and ``wide_parts`` (wide calls whose leftover chunks were cut into parts
+    of their heads). ``reset`` zeroes the counts after reading them."""
+    d = dict(tiles=_att_ways[0], split=_att_ways[1], wide=_att_ways[2], wide_parts=_att_ways[3])
+    if reset:
+        for i in range(4):
+            _att_ways[i] = 0
+    return d
 
 
 cdef float *_att_buf = NULL  # attention's scratch (split chunk outputs, per-thread merge rows), grown
@@ -819,7 +858,10 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     on the thread count or on which rows share the call. Rows alone in their sequence (one-token
     decode) whose heads each have their own KV head take items (row, chunk) instead, every head
     at once, reading whole cache rows in address order (coli_attend_wide, set_att_wide): the
-    same arithmetic and bits, 1.5x faster from a cold cache on olmoe's shape. Nothing is
+    same arithmetic and bits, 1.5x faster from a cold cache on olmoe's shape; a row's chunks
+    that do not go round the threads evenly are cut into parts of their heads, one a thread
+    (set_att_wide_split: 1.2-1.4x faster from a warm cache, even from a cold one).
+    attention_ways counts which way the calls went. Nothing is
     allocated in the steady state (a
     scratch buffer grows to the largest call: a few KB a thread and a table of tiles)."""
     cdef att_call a
@@ -872,6 +914,7 @@ cdef int _attend(att_call *a, int M) except -1:
         a.slots = _att_scratch(<size_t>M * a.nh * a.maxch * (a.vd + 2))
         a.ml = a.slots + <long>M * a.nh * a.maxch * a.vd
         nitems = <long>M * units * a.maxch
+        _att_ways[1] += 1
         with nogil, parallel(num_threads=nt):
             for idx in prange(nitems, schedule='static'):
                 _att_part(a, idx)
@@ -900,6 +943,7 @@ cdef int _attend(att_call *a, int M) except -1:
             tk += _att_keys(a, m)
         most = max(most, tk)
     cdef int per = units if (ntiles >= 2 * nt or ntiles % nt == 0) and most * nt <= keys else 1
+    _att_ways[0] += 1
     with nogil:
         if nt == 1:
             for idx in range(nitems):
@@ -926,6 +970,18 @@ cdef int _attend_wide(att_call *a, int M, int nt) except -1:
     chunks merge after a barrier in chunk order (coli_attend_join), as the split items do."""
     cdef long nslot = <long>M * a.nh * a.maxch, nitems = <long>M * a.maxch, idx
     cdef long work = (COLI_ATT_WIDE_WORK(a.nh) + 15) // 16 * 16
+    # One row: its chunks go whole to the threads in turn as far as they go round evenly, and
+    # each chunk left over (the short last one among them) in nt parts of its heads, thread t
+    # taking part t of each: so every thread reads as many keys (in row stretches of 1 / nt of
+    # a row), where whole chunks alone leave one thread a whole chunk more than the others.
+    a.whole, a.parts = a.maxch, 1
+    if M == 1 and nt > 1 and a.nkv >= nt and _att_wide_split:
+        a.whole = (_att_keys(a, 0) // COLI_ATT_CH) // nt * nt
+        if a.whole < a.maxch:
+            a.parts = nt
+            nitems = a.whole + <long>(a.maxch - a.whole) * nt
+            _att_ways[3] += 1
+    _att_ways[2] += 1
     nt = max(1, min(nt, nitems))
     cdef float *base = _att_scratch(<size_t>(nslot * (a.vd + 2) + nt * work + 32))
     base += (16 - (<uintptr_t>base // sizeof(float)) % 16) % 16  # 64-byte aligned
