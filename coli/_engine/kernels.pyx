@@ -860,7 +860,7 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     at once, reading whole cache rows in address order (coli_attend_wide, set_att_wide): the
     same arithmetic and bits, 1.5x faster from a cold cache on olmoe's shape; a row's chunks
     that do not go round the threads evenly are cut into parts of their heads, one a thread
-    (set_att_wide_split: 1.2-1.4x faster from a warm cache, even from a cold one).
+    (set_att_wide_split: 1.1-1.4x faster from a warm cache, the same from a cold one).
     attention_ways counts which way the calls went. Nothing is
     allocated in the steady state (a
     scratch buffer grows to the largest call: a few KB a thread and a table of tiles)."""
