@@ -718,18 +718,18 @@ cdef void _att_part(const att_call *a, long idx) noexcept nogil:
 cdef void _att_wide(const att_call *a, long idx, float *work) noexcept nogil:
     """Item idx = m * maxch + c: chunk c of row m, all its heads (coli_attend_wide), into its
     slots; or, with a.parts > 1 (one row), past a.whole: part p of chunk c, idx = a.whole + (c -
-    a.whole) * a.parts + p, the p-th of a.parts runs of whole KV groups. work: the thread's scratch."""
-    cdef int m = 0, c = idx, g0 = 0, g1 = a.nkv, k
+    a.whole) * a.parts + p, the p-th of a.parts runs of whole KV groups (a.parts <= a.nkv, so
+    none is empty). work: the thread's scratch."""
+    cdef int m = 0, c = idx, g0 = 0, g1 = a.nkv, p
     if a.parts == 1:
         m = idx // a.maxch
         c = idx - <long>m * a.maxch
     elif idx >= a.whole:
-        k = idx - a.whole
-        c = a.whole + k // a.parts
-        k = k - (c - a.whole) * a.parts
-        g0, g1 = k * a.nkv // a.parts, (k + 1) * a.nkv // a.parts
+        c = a.whole + (idx - a.whole) // a.parts
+        p = (idx - a.whole) % a.parts
+        g0, g1 = p * a.nkv // a.parts, (p + 1) * a.nkv // a.parts
     cdef int j0 = _att_start(a, m) + c * COLI_ATT_CH, j1 = a.pos[m] + 1
-    if j0 >= j1 or g0 == g1:  # a shorter row than the longest; a part with no heads
+    if j0 >= j1:  # a shorter row than the longest
         return
     if j1 - j0 > COLI_ATT_CH:
         j1 = j0 + COLI_ATT_CH
