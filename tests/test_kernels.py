@@ -954,16 +954,19 @@ def test_release_threads_retires_the_calling_threads_workers():
 
 
 @pytest.mark.parametrize("nh,nkv,hd,vd,v_stride", [(16, 16, 64, 64, 0), (9, 3, 64, 64, 0), (8, 2, 128, 128, 0),
-                                                   (6, 6, 16, 16, 0), (4, 1, 64, 32, 64), (4, 4, 40, 24, 0)])
-@pytest.mark.parametrize("pos", [[0], [63], [64], [160], [419, 300, 65, 5]])
+                                                   (6, 6, 16, 16, 0), (4, 1, 64, 32, 64), (4, 4, 40, 24, 0),
+                                                   (10, 2, 32, 32, 0), (16, 2, 64, 64, 0)])
+@pytest.mark.parametrize("pos", [[0], [2], [63], [64], [160], [419, 300, 65, 5]])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (150, 0.0), (0, 20.0)])
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 def test_attention_wide_rows_give_the_heads_bits(nh, nkv, hd, vd, v_stride, pos, window, softcap, half, threads):
     """One-token rows, each its own sequence's, attend every head of a chunk at once reading
     whole cache rows (set_att_wide): the bits the runs of heads give, at chunk boundaries and
-    inside them, for several sequences, GQA, values inside the key rows, windows, soft-capping,
-    f32 and f16 caches, on each thread count; head dims that are not whole vectors take the
-    runs of heads either way. And the reference's values."""
+    inside them, for several sequences, GQA (groups of 3, 4, 5 and 8: the wide kernel widens a
+    KV head's vectors once for up to 4 of its heads), fewer keys than the value pass's blocks of
+    4, values inside the key rows, windows, soft-capping, f32 and f16 caches, on each thread
+    count; head dims that are not whole vectors take the runs of heads either way. And the
+    reference's values."""
     rnd = _own_rand(nh * hd + len(pos) + window + threads)
     cap = max(pos) + 1
     kw = v_stride if v_stride else nkv * hd
@@ -999,13 +1002,13 @@ def test_attention_wide_rows_give_the_heads_bits(nh, nkv, hd, vd, v_stride, pos,
 @pytest.mark.parametrize("nh,nkv", [(16, 16), (9, 3), (4, 1)])
 def test_attention_takes_the_way_its_rows_call_for(nh, nkv, threads):
     """Which way attention went (attention_ways): a one-token row alone in its sequence goes
-    wide where every head has its own KV head (and by split runs of heads under GQA, the
-    default), a prompt's rows by tiles, and with wide rows off never wide; with two threads a
+    wide where every head has its own KV head, and under GQA up to 384 keys (past them by
+    split runs of heads), a prompt's rows by tiles, and with wide rows off never wide; with two threads a
     row whose chunks do not go round evenly (160 keys: two whole chunks and a short one, or
     one short chunk) has its leftover chunks cut into head parts, one a thread, unless that
     is switched off (set_att_wide_split) or the heads are too few to cut."""
     rnd = _own_rand(nh + threads)
-    hd, cap = 64, 300
+    hd, cap = 64, 500
     kc, vc = rnd(cap, nkv * hd).astype(np.float16), rnd(cap, nkv * hd).astype(np.float16)
     kp, vp = np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64)
 
@@ -1028,8 +1031,11 @@ def test_attention_takes_the_way_its_rows_call_for(nh, nkv, threads):
             assert ways(159, split=False) == {"wide": 1}
             assert ways(159, mode=0) == {"tiles": 1}  # 16 runs of heads keep two threads busy
         else:
-            assert ways(159) == ({"split": 1} if threads == 2 else {"tiles": 1})  # GQA: 3 runs of heads, split
-            assert ways(159, mode=1) == (alone if nkv >= 2 else {"wide": 1})  # one KV head: too few to cut
+            assert ways(159) == (alone if nkv >= 2 else {"wide": 1})  # GQA, up to 384 keys: wide
+            assert ways(299) == (alone if nkv >= 2 else {"wide": 1})  # 300 keys, 5 chunks: still wide
+            runs = {"split": 1} if threads == 2 else {"tiles": 1}  # 3 runs of heads: split with 2 threads
+            assert ways(449) == runs  # 450 keys: by runs of heads, which share each KV head's slice
+            assert ways(159, mode=0) == runs
         assert ways(159, rows=20) == {"tiles": 1}  # a prompt's rows share their cache
         assert K.attention_ways() == {"tiles": 1, "split": 0, "wide": 0, "wide_parts": 0}
         K.attention_ways(reset=True)

@@ -760,14 +760,20 @@ def get_att_prefetch():
 
 
 cdef int _att_wide_mode = 2
+# Under GQA the default takes wide rows up to this many chunks of keys (384): whole decode steps
+# of SmolLM2-135M int4 (9 heads, 3 KV heads) were 6% faster wide at 128-192 positions, even at
+# 400-432, and 4-9% slower at 700-1032, where the runs of heads (each KV head's slice read once
+# for its group, over long stretches of keys) win (BENCHMARKS.md).
+cdef int ATT_WIDE_GQA_CHUNKS = 6
 
 
 def set_att_wide(int mode):
     """How one-token rows that are alone in their sequence attend: 0 by runs of heads of a KV
     group; 1 every head of a chunk at once, reading whole cache rows (coli_attend_wide), wherever
     the head dims fit; 2 (the default) so where every query head has its own KV head (olmoe's
-    shape: 1.35-1.6x faster from a cold cache), by runs of heads under GQA, whose runs already
-    share each row slice they read (SmolLM2's shape at 2000 positions: 1.35x slower wide). For
+    shape: 1.35-1.6x faster from a cold cache) and, under GQA, for rows of up to 384 keys; longer
+    GQA rows go by runs of heads, which read each KV head's slice once for its group over long
+    stretches of keys (SmolLM2's shape: a whole step 4-9% faster so at 700-1000 positions). For
     tests and measurements: results do not depend on it."""
     global _att_wide_mode
     if mode not in (0, 1, 2):
@@ -905,7 +911,8 @@ cdef int _attend(att_call *a, int M) except -1:
         a.maxch = max(a.maxch, _att_chunks(a, m))
     units = a.nkv * a.nsb
     nt = _team(keys * a.nh * (a.hd + a.vd) // 2)
-    if (_att_wide_mode == 1 or _att_wide_mode == 2 and a.group == 1) and coli_attend_wide_fits(a.hd, a.vd, a.half) \
+    if (_att_wide_mode == 1 or _att_wide_mode == 2 and (a.group == 1 or a.maxch <= ATT_WIDE_GQA_CHUNKS)) \
+            and coli_attend_wide_fits(a.hd, a.vd, a.half) \
             and _att_lone_rows(a, M) and \
             <long>M * a.nh * a.maxch * (a.vd + 2) <= ATT_SPLIT_MAX:
         _attend_wide(a, M, nt)

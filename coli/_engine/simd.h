@@ -1007,8 +1007,8 @@ static inline int coli_attend_wide_fits(int hd, int vd, int half) {
 }
 
 /* floats of the scratch coli_attend_wide takes for nh heads (64-byte aligned): the score
- * chains of a block, the chunk's scores, each head's offset in a key row */
-#define COLI_ATT_WIDE_WORK(nh) ((long)(nh) * (CV_W * CV_W + COLI_ATT_CH + 1))
+ * chains of a block, the chunk's scores */
+#define COLI_ATT_WIDE_WORK(nh) ((long)(nh) * (CV_W * CV_W + COLI_ATT_CH))
 
 /* While it reads one K or V row, coli_attend_wide asks for the row this many ahead into L2 (when
  * coli_att_prefetch is on): the prefetchers alone, on rows of a few KB, kept too few lines in flight.
@@ -1018,6 +1018,117 @@ static inline int coli_attend_wide_fits(int hd, int vd, int half) {
 static inline void coli_prefetch_row(const void *p, long bytes) {
     for (long b = 0; b < bytes; b += 64) COLI_PREFETCH_L2((const char *)p + b);
 }
+/* Head h's score chain for one key of the block: the FMAs over its vectors from zero (as
+ * coli_attend_part's), for NR heads h0 .. h0 + NR - 1 of one KV group, whose key vector k is
+ * widened once for all of them. */
+#define COLI_ATT_WIDE_QK(NR, VT, LOAD)                                                             \
+    {                                                                                              \
+        const float *qh = q + (long)h0 * hd;                                                       \
+        cv_t a0 = cv_zero(), a1 = cv_zero(), a2 = cv_zero(), a3 = cv_zero();                       \
+        for (int v = 0; v < nq; v++) {                                                             \
+            cv_t kv = LOAD(k + v * CV_W);                                                          \
+            a0 = cv_fma(cv_load(qh + v * CV_W), kv, a0);                                           \
+            if (NR > 1) a1 = cv_fma(cv_load(qh + hd + v * CV_W), kv, a1);                          \
+            if (NR > 2) a2 = cv_fma(cv_load(qh + 2 * hd + v * CV_W), kv, a2);                      \
+            if (NR > 3) a3 = cv_fma(cv_load(qh + 3 * hd + v * CV_W), kv, a3);                      \
+        }                                                                                          \
+        acc[h0 * CV_W + i] = a0;                                                                   \
+        if (NR > 1) acc[(h0 + 1) * CV_W + i] = a1;                                                 \
+        if (NR > 2) acc[(h0 + 2) * CV_W + i] = a2;                                                 \
+        if (NR > 3) acc[(h0 + 3) * CV_W + i] = a3;                                                 \
+    }
+/* Output vector v of heads h .. h + NR - 1 of one KV group over the NJ (1 or 4) keys j .. of the
+ * value vectors x0 .. x3 (widened once for the group), each output lane the chain of FMAs over
+ * the keys in order (from zero at the chunk's first key), kept in a register across the NJ keys. */
+#define COLI_ATT_WIDE_PV(NJ, VT, LOAD)                                                             \
+    {                                                                                              \
+        cv_t v0 = LOAD(x0 + v * CV_W), v1 = v0, v2 = v0, v3 = v0;                                  \
+        if (NJ > 1) v1 = LOAD(x0 + vs + v * CV_W), v2 = LOAD(x0 + 2 * vs + v * CV_W), v3 = LOAD(x0 + 3 * vs + v * CV_W); \
+        for (int r = 0; r < group; r++) {                                                          \
+            const float *sp = s + (long)(h + r) * COLI_ATT_CH + j;                                 \
+            float *o = oc + (long)(h + r) * ldo + v * CV_W;                                        \
+            cv_t t = cv_fma(cv_set1(sp[0]), v0, j == 0 ? cv_zero() : cv_load(o));                  \
+            if (NJ > 1) {                                                                          \
+                t = cv_fma(cv_set1(sp[1]), v1, t);                                                 \
+                t = cv_fma(cv_set1(sp[2]), v2, t);                                                 \
+                t = cv_fma(cv_set1(sp[3]), v3, t);                                                 \
+            }                                                                                      \
+            cv_store(o, t);                                                                        \
+        }                                                                                          \
+    }
+/* The score chains of R heads h0 .. h0 + R - 1 reading one KV head's slice (at K + kofs of each
+ * row) for the n keys c0 + b .. of a block, the heads' NQ query vectors held in registers across
+ * the keys and each key vector widened once for the R heads: per key and head the chain of FMAs
+ * over the vectors from zero, as COLI_ATT_WIDE_QK's. With pf, key i also asks for the row
+ * COLI_ATT_WIDE_AHEAD ahead (the block's first pass does, so the whole row comes once). */
+#define COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, R)                                                      \
+    static inline void coli_att_qkb##SFX##_##NQ##_##R(const float *q, int hd, const VT *K, long ks, long kofs, \
+                                                      int c0, int b, int n, int c1, int pf, long rowbytes,   \
+                                                      cv_t *acc, int h0) {                          \
+        cv_t qr[R][NQ];                                                                            \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < NQ; v++) qr[r][v] = cv_load(q + (long)(h0 + r) * hd + v * CV_W);   \
+        for (int i = 0; i < n; i++) {                                                              \
+            const VT *row = K + (long)(c0 + b + i) * ks;                                           \
+            if (pf && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1)                                       \
+                coli_prefetch_row(row + COLI_ATT_WIDE_AHEAD * ks, rowbytes);                       \
+            const VT *k = row + kofs;                                                              \
+            cv_t a[R];                                                                             \
+            for (int r = 0; r < R; r++) a[r] = cv_zero();                                          \
+            for (int v = 0; v < NQ; v++) {                                                         \
+                cv_t kv = LOAD(k + v * CV_W);                                                      \
+                for (int r = 0; r < R; r++) a[r] = cv_fma(qr[r][v], kv, a[r]);                     \
+            }                                                                                      \
+            for (int r = 0; r < R; r++) acc[(h0 + r) * CV_W + i] = a[r];                           \
+        }                                                                                          \
+    }
+/* Up to RMAX heads a pass for NQ vectors a head (what the registers hold: the path's vector
+ * registers, less a few for the chains and the key vector); 0: no such pass. */
+#if CV_W == 16 || CV_W == 4
+#define COLI_ATT_QKB_RMAX(NQ) ((NQ) <= 8 ? 4 : (NQ) <= 16 ? 1 : 0)
+#elif CV_W == 8
+#define COLI_ATT_QKB_RMAX(NQ) ((NQ) <= 2 ? 4 : (NQ) <= 4 ? 2 : (NQ) <= 8 ? 1 : 0)
+#else
+#define COLI_ATT_QKB_RMAX(NQ) 0
+#endif
+#define COLI_ATT_QKB_NQ(SFX, VT, LOAD, NQ)                                                         \
+    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 1)                                                          \
+    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 2)                                                          \
+    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 3)                                                          \
+    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 4)
+/* One pass of up to RMAX heads (r of them, r <= the remaining heads of the group) through the
+ * block: returns the heads done, 0 where the registers cannot hold a head's vectors. */
+#define COLI_ATT_QKB_CASE(SFX, NQ)                                                                 \
+    case NQ:                                                                                       \
+        if (COLI_ATT_QKB_RMAX(NQ) == 0) return 0;                                                  \
+        r = r < COLI_ATT_QKB_RMAX(NQ) ? r : COLI_ATT_QKB_RMAX(NQ);                                 \
+        switch (r) {                                                                               \
+        case 1: coli_att_qkb##SFX##_##NQ##_1(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
+        case 2: coli_att_qkb##SFX##_##NQ##_2(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
+        case 3: coli_att_qkb##SFX##_##NQ##_3(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
+        default: coli_att_qkb##SFX##_##NQ##_4(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); r = 4; break; \
+        }                                                                                          \
+        return r;
+#define COLI_ATT_QKB(SFX, VT, LOAD)                                                                \
+    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 2)                                                              \
+    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 4)                                                              \
+    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 8)                                                              \
+    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 16)                                                             \
+    static inline int coli_att_qkb##SFX(int nq, int r, const float *q, int hd, const VT *K, long ks, long kofs, \
+                                        int c0, int b, int n, int c1, int pf, long rowbytes, cv_t *acc, int h0) { \
+        switch (nq) {                                                                              \
+            COLI_ATT_QKB_CASE(SFX, 2)                                                              \
+            COLI_ATT_QKB_CASE(SFX, 4)                                                              \
+            COLI_ATT_QKB_CASE(SFX, 8)                                                              \
+            COLI_ATT_QKB_CASE(SFX, 16)                                                             \
+        default: return 0;                                                                         \
+        }                                                                                          \
+    }
+COLI_ATT_QKB(_f32, float, cv_load)
+#if defined(cv_load_h)
+COLI_ATT_QKB(_f16, uint16_t, cv_load_h)
+#endif
+
 #define COLI_ATT_WIDE_OF(SFX, VT, LOAD)                                                            \
     static inline void coli_attend_wide##SFX(const float *q, const VT *K, long ks, const VT *V, long vs, int nkv, \
                                              int group, int c0, int c1, int hd, int vd, float scale, float softcap, \
@@ -1025,35 +1136,51 @@ static inline void coli_prefetch_row(const void *p, long bytes) {
         int nh = nkv * group, ahead = coli_att_prefetch > 0, nk = c1 - c0, nq = hd / CV_W, nv = vd / CV_W;                        \
         cv_t *acc = (cv_t *)work; /* acc[h * CV_W + i]: head h's chain for key i of the block */  \
         float *s = work + (long)nh * CV_W * CV_W; /* s[h * COLI_ATT_CH + j]: head h, key j */      \
-        int *koff = (int *)(s + (long)nh * COLI_ATT_CH); /* head h's keys at + koff[h] in a row */ \
-        for (int h = 0; h < nh; h++) koff[h] = h / group * hd;                                     \
         for (int b = 0; b < nk; b += CV_W) {                                                       \
-            int n = nk - b < CV_W ? nk - b : CV_W;                                                 \
-            for (int i = 0; i < n; i++) {                                                          \
-                const VT *k = K + (long)(c0 + b + i) * ks;                                         \
+            int n = nk - b < CV_W ? nk - b : CV_W, done = 0;                                       \
+            /* the block's keys against q held in registers, one pass per run of heads */         \
+            for (int g = 0, h0 = 0; g < nkv; g++)                                                  \
+                for (int e = (g + 1) * group; h0 < e; done = h0) {                                 \
+                    int r = coli_att_qkb##SFX(nq, e - h0, q, hd, K, ks, (long)g * hd, c0, b, n, c1, \
+                                              ahead && h0 == 0, (long)nkv * hd * sizeof(VT), acc, h0); \
+                    if (r == 0) { g = nkv; break; }                                                \
+                    h0 += r;                                                                       \
+                }                                                                                  \
+            for (int i = 0; i < n && done < nh; i++) {                                             \
+                const VT *row = K + (long)(c0 + b + i) * ks;                                       \
                 if (ahead && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1)                                \
-                    coli_prefetch_row(k + COLI_ATT_WIDE_AHEAD * ks, (long)nkv * hd * sizeof(VT));  \
-                int h = 0;                                                                         \
-                for (; h + 4 <= nh; h += 4) { /* four heads' chains in flight */                  \
-                    const float *qh = q + (long)h * hd;                                            \
-                    const VT *k0 = k + koff[h], *k1 = k + koff[h + 1], *k2 = k + koff[h + 2], *k3 = k + koff[h + 3]; \
-                    cv_t a0 = cv_zero(), a1 = cv_zero(), a2 = cv_zero(), a3 = cv_zero();           \
-                    for (int v = 0; v < nq; v++) {                                                 \
-                        a0 = cv_fma(cv_load(qh + v * CV_W), LOAD(k0 + v * CV_W), a0);              \
-                        a1 = cv_fma(cv_load(qh + hd + v * CV_W), LOAD(k1 + v * CV_W), a1);         \
-                        a2 = cv_fma(cv_load(qh + 2 * hd + v * CV_W), LOAD(k2 + v * CV_W), a2);     \
-                        a3 = cv_fma(cv_load(qh + 3 * hd + v * CV_W), LOAD(k3 + v * CV_W), a3);     \
+                    coli_prefetch_row(row + COLI_ATT_WIDE_AHEAD * ks, (long)nkv * hd * sizeof(VT)); \
+                if (group == 1) { /* four heads' chains in flight, each its own key vectors */    \
+                    int h0 = 0;                                                                    \
+                    for (; h0 + 4 <= nh; h0 += 4) {                                                \
+                        const float *qh = q + (long)h0 * hd;                                       \
+                        const VT *k0 = row + (long)h0 * hd, *k1 = k0 + hd, *k2 = k0 + 2 * hd, *k3 = k0 + 3 * hd; \
+                        cv_t a0 = cv_zero(), a1 = cv_zero(), a2 = cv_zero(), a3 = cv_zero();       \
+                        for (int v = 0; v < nq; v++) {                                             \
+                            a0 = cv_fma(cv_load(qh + v * CV_W), LOAD(k0 + v * CV_W), a0);          \
+                            a1 = cv_fma(cv_load(qh + hd + v * CV_W), LOAD(k1 + v * CV_W), a1);     \
+                            a2 = cv_fma(cv_load(qh + 2 * hd + v * CV_W), LOAD(k2 + v * CV_W), a2); \
+                            a3 = cv_fma(cv_load(qh + 3 * hd + v * CV_W), LOAD(k3 + v * CV_W), a3); \
+                        }                                                                          \
+                        acc[h0 * CV_W + i] = a0, acc[(h0 + 1) * CV_W + i] = a1;                    \
+                        acc[(h0 + 2) * CV_W + i] = a2, acc[(h0 + 3) * CV_W + i] = a3;              \
                     }                                                                              \
-                    acc[h * CV_W + i] = a0, acc[(h + 1) * CV_W + i] = a1;                          \
-                    acc[(h + 2) * CV_W + i] = a2, acc[(h + 3) * CV_W + i] = a3;                    \
-                }                                                                                  \
-                for (; h < nh; h++) {                                                              \
-                    const float *qh = q + (long)h * hd;                                            \
-                    const VT *k0 = k + koff[h];                                                    \
-                    cv_t a = cv_zero();                                                            \
-                    for (int v = 0; v < nq; v++) a = cv_fma(cv_load(qh + v * CV_W), LOAD(k0 + v * CV_W), a); \
-                    acc[h * CV_W + i] = a;                                                         \
-                }                                                                                  \
+                    for (; h0 < nh; h0++) {                                                        \
+                        const VT *k = row + (long)h0 * hd;                                         \
+                        COLI_ATT_WIDE_QK(1, VT, LOAD)                                              \
+                    }                                                                              \
+                } else /* GQA: each KV head's key vectors widened once for up to 4 of its heads */ \
+                    for (int g = 0; g < nkv; g++) {                                                \
+                        const VT *k = row + (long)g * hd;                                          \
+                        for (int h0 = g * group; h0 < (g + 1) * group;) {                          \
+                            switch ((g + 1) * group - h0) {                                        \
+                            case 1: COLI_ATT_WIDE_QK(1, VT, LOAD) h0 += 1; break;                  \
+                            case 2: COLI_ATT_WIDE_QK(2, VT, LOAD) h0 += 2; break;                  \
+                            case 3: COLI_ATT_WIDE_QK(3, VT, LOAD) h0 += 3; break;                  \
+                            default: COLI_ATT_WIDE_QK(4, VT, LOAD) h0 += 4; break;                 \
+                            }                                                                      \
+                        }                                                                          \
+                    }                                                                              \
             }                                                                                      \
             for (int h = 0; h < nh; h++) {                                                         \
                 for (int i = n; i < CV_W; i++) acc[h * CV_W + i] = cv_zero();                      \
@@ -1062,20 +1189,24 @@ static inline void coli_prefetch_row(const void *p, long bytes) {
         }                                                                                          \
         int nvec = (nk + CV_W - 1) / CV_W;                                                         \
         for (int h = 0; h < nh; h++) coli_att_softmax(s + (long)h * COLI_ATT_CH, nvec, ml + (long)h * lds); \
-        for (int j = 0; j < nk; j++) {                                                             \
+        /* keys four at a time: each output vector loaded and stored once for the four */          \
+        int j = 0;                                                                                 \
+        for (; j + 4 <= nk; j += 4) {                                                              \
             const VT *x = V + (long)(c0 + j) * vs;                                                 \
-            if (ahead && c0 + j + COLI_ATT_WIDE_AHEAD < c1)                                        \
-                coli_prefetch_row(x + COLI_ATT_WIDE_AHEAD * vs, (long)nkv * vd * sizeof(VT));      \
-            for (int g = 0, h = 0; g < nkv; g++, x += vd)                                          \
-                for (int r = 0; r < group; r++, h++) {                                             \
-                    float *o = oc + (long)h * ldo;                                                 \
-                    cv_t p = cv_set1(s[(long)h * COLI_ATT_CH + j]);                                \
-                    if (j == 0)                                                                    \
-                        for (int v = 0; v < nv; v++) cv_store(o + v * CV_W, cv_fma(p, LOAD(x + v * CV_W), cv_zero())); \
-                    else                                                                           \
-                        for (int v = 0; v < nv; v++)                                               \
-                            cv_store(o + v * CV_W, cv_fma(p, LOAD(x + v * CV_W), cv_load(o + v * CV_W))); \
-                }                                                                                  \
+            if (ahead)                                                                             \
+                for (int a = COLI_ATT_WIDE_AHEAD; a < COLI_ATT_WIDE_AHEAD + 4; a++)                \
+                    if (c0 + j + a < c1) coli_prefetch_row(x + a * vs, (long)nkv * vd * sizeof(VT)); \
+            for (int g = 0, h = 0; g < nkv; g++, h += group) {                                     \
+                const VT *x0 = x + (long)g * vd;                                                   \
+                for (int v = 0; v < nv; v++) COLI_ATT_WIDE_PV(4, VT, LOAD)                         \
+            }                                                                                      \
+        }                                                                                          \
+        for (; j < nk; j++) {                                                                      \
+            const VT *x = V + (long)(c0 + j) * vs;                                                 \
+            for (int g = 0, h = 0; g < nkv; g++, h += group) {                                     \
+                const VT *x0 = x + (long)g * vd;                                                   \
+                for (int v = 0; v < nv; v++) COLI_ATT_WIDE_PV(1, VT, LOAD)                         \
+            }                                                                                      \
         }                                                                                          \
     }
 COLI_ATT_WIDE_OF(_f32, float, cv_load)
