@@ -1138,8 +1138,11 @@ COLI_ATT_QKB(_f16, uint16_t, cv_load_h)
         float *s = work + (long)nh * CV_W * CV_W; /* s[h * COLI_ATT_CH + j]: head h, key j */      \
         for (int b = 0; b < nk; b += CV_W) {                                                       \
             int n = nk - b < CV_W ? nk - b : CV_W, done = 0;                                       \
-            /* the block's keys against q held in registers, one pass per run of heads */         \
-            for (int g = 0, h0 = 0; g < nkv; g++)                                                  \
+            /* GQA: the block's keys against q held in registers, one pass per run of a group's  \
+             * heads. (Without GQA each head reads its own slices; passes by heads over a block's \
+             * 16 rows measured 2.5% slower in olmoe-mini's whole steps than the rows taken one by \
+             * one for all heads, below.) */                                                     \
+            for (int g = 0, h0 = 0; group > 1 && g < nkv; g++)                                     \
                 for (int e = (g + 1) * group; h0 < e; done = h0) {                                 \
                     int r = coli_att_qkb##SFX(nq, e - h0, q, hd, K, ks, (long)g * hd, c0, b, n, c1, \
                                               ahead && h0 == 0, (long)nkv * hd * sizeof(VT), acc, h0); \
