@@ -761,7 +761,7 @@ def get_att_prefetch():
 
 cdef int _att_wide_mode = 2
 # Under GQA the default takes wide rows up to this many chunks of keys (384): whole decode steps
-# of SmolLM2-135M int4 (9 heads, 3 KV heads) were 6% faster wide at 128-192 positions, even at
+# of SmolLM2-135M int4 (9 heads, 3 KV heads) were 2-6% faster wide at 128-192 positions, even at
 # 400-432, and 4-9% slower at 700-1032, where the runs of heads (each KV head's slice read once
 # for its group, over long stretches of keys) win (BENCHMARKS.md).
 cdef int ATT_WIDE_GQA_CHUNKS = 6
