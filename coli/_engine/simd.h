@@ -1056,79 +1056,31 @@ static inline void coli_prefetch_row(const void *p, long bytes) {
             cv_store(o, t);                                                                        \
         }                                                                                          \
     }
-/* The score chains of R heads h0 .. h0 + R - 1 reading one KV head's slice (at K + kofs of each
- * row) for the n keys c0 + b .. of a block, the heads' NQ query vectors held in registers across
- * the keys and each key vector widened once for the R heads: per key and head the chain of FMAs
- * over the vectors from zero, as COLI_ATT_WIDE_QK's. With pf, key i also asks for the row
- * COLI_ATT_WIDE_AHEAD ahead (the block's first pass does, so the whole row comes once). */
-#define COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, R)                                                      \
-    static inline void coli_att_qkb##SFX##_##NQ##_##R(const float *q, int hd, const VT *K, long ks, long kofs, \
-                                                      int c0, int b, int n, int c1, int pf, long rowbytes,   \
-                                                      cv_t *acc, int h0) {                          \
-        cv_t qr[R][NQ];                                                                            \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int v = 0; v < NQ; v++) qr[r][v] = cv_load(q + (long)(h0 + r) * hd + v * CV_W);   \
-        for (int i = 0; i < n; i++) {                                                              \
-            const VT *row = K + (long)(c0 + b + i) * ks;                                           \
-            if (pf && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1)                                       \
-                coli_prefetch_row(row + COLI_ATT_WIDE_AHEAD * ks, rowbytes);                       \
-            const VT *k = row + kofs;                                                              \
-            cv_t a[R];                                                                             \
-            for (int r = 0; r < R; r++) a[r] = cv_zero();                                          \
-            for (int v = 0; v < NQ; v++) {                                                         \
-                cv_t kv = LOAD(k + v * CV_W);                                                      \
-                for (int r = 0; r < R; r++) a[r] = cv_fma(qr[r][v], kv, a[r]);                     \
-            }                                                                                      \
-            for (int r = 0; r < R; r++) acc[(h0 + r) * CV_W + i] = a[r];                           \
-        }                                                                                          \
-    }
-/* Up to RMAX heads a pass for NQ vectors a head, about what the path's vector registers hold
- * besides the chains and the key vector (AVX-512 with 8 vectors a head takes 4 heads though some
- * of their queries spill: Llama-3-8B's shape, group 4 of 128, measured 289 us against 325 with
- * 2); 0: no such pass (the rows one by one, below). */
+/* GQA in coli_attend_wide: the heads of a run (of a KV group) a pass of coli_qkh takes for NQ
+ * vectors a head, about what the path's vector registers hold besides the chains and the key
+ * vector (AVX-512 with 8 vectors a head takes 4 heads though some of their queries spill:
+ * Llama-3-8B's shape, group 4 of 128, measured 289 us against 325 with 2); 0: no such pass. */
 #if CV_W == 16 || CV_W == 4
-#define COLI_ATT_QKB_RMAX(NQ) ((NQ) <= 8 ? 4 : (NQ) <= 16 ? 1 : 0)
+#define COLI_ATT_WIDE_HB(NQ) ((NQ) <= 8 ? 4 : 0)
 #elif CV_W == 8
-#define COLI_ATT_QKB_RMAX(NQ) ((NQ) <= 2 ? 4 : (NQ) <= 4 ? 2 : (NQ) <= 8 ? 1 : 0)
+#define COLI_ATT_WIDE_HB(NQ) ((NQ) <= 2 ? 4 : (NQ) <= 4 ? 2 : (NQ) <= 8 ? 1 : 0)
 #else
-#define COLI_ATT_QKB_RMAX(NQ) 0
+#define COLI_ATT_WIDE_HB(NQ) 0
 #endif
-#define COLI_ATT_QKB_NQ(SFX, VT, LOAD, NQ)                                                         \
-    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 1)                                                          \
-    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 2)                                                          \
-    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 3)                                                          \
-    COLI_ATT_QKB_OF(SFX, VT, LOAD, NQ, 4)
-/* One pass of up to RMAX heads (r of them, r <= the remaining heads of the group) through the
- * block: returns the heads done, 0 where the registers cannot hold a head's vectors. */
-#define COLI_ATT_QKB_CASE(SFX, NQ)                                                                 \
-    case NQ:                                                                                       \
-        if (COLI_ATT_QKB_RMAX(NQ) == 0) return 0;                                                  \
-        r = r < COLI_ATT_QKB_RMAX(NQ) ? r : COLI_ATT_QKB_RMAX(NQ);                                 \
-        switch (r) {                                                                               \
-        case 1: coli_att_qkb##SFX##_##NQ##_1(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
-        case 2: coli_att_qkb##SFX##_##NQ##_2(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
-        case 3: coli_att_qkb##SFX##_##NQ##_3(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); break; \
-        default: coli_att_qkb##SFX##_##NQ##_4(q, hd, K, ks, kofs, c0, b, n, c1, pf, rowbytes, acc, h0); r = 4; break; \
-        }                                                                                          \
-        return r;
-#define COLI_ATT_QKB(SFX, VT, LOAD)                                                                \
-    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 2)                                                              \
-    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 4)                                                              \
-    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 8)                                                              \
-    COLI_ATT_QKB_NQ(SFX, VT, LOAD, 16)                                                             \
-    static inline int coli_att_qkb##SFX(int nq, int r, const float *q, int hd, const VT *K, long ks, long kofs, \
-                                        int c0, int b, int n, int c1, int pf, long rowbytes, cv_t *acc, int h0) { \
-        switch (nq) {                                                                              \
-            COLI_ATT_QKB_CASE(SFX, 2)                                                              \
-            COLI_ATT_QKB_CASE(SFX, 4)                                                              \
-            COLI_ATT_QKB_CASE(SFX, 8)                                                              \
-            COLI_ATT_QKB_CASE(SFX, 16)                                                             \
-        default: return 0;                                                                         \
-        }                                                                                          \
-    }
-COLI_ATT_QKB(_f32, float, cv_load)
+/* Whether coli_attend_wide's GQA blocks take coli_qkh passes (an f16 cache whose head width it
+ * has a tile for at any run length), and the pass (sc: one score vector a head, coli_qkh's). */
+static inline int coli_att_wide_qkh_fits_f32(int hd) { (void)hd; return 0; }
+static inline void coli_att_wide_qkh_f32(int nb, int hd, const float *q, const float *K, long ks, int n, cv_t *sc) {
+    (void)nb, (void)hd, (void)q, (void)K, (void)ks, (void)n, (void)sc;
+}
 #if defined(cv_load_h)
-COLI_ATT_QKB(_f16, uint16_t, cv_load_h)
+static inline int coli_att_wide_qkh_fits_f16(int hd) {
+    return coli_qkh_fits(1, hd) && COLI_ATT_WIDE_HB(hd / CV_W) > 0;
+}
+static inline void coli_att_wide_qkh_f16(int nb, int hd, const float *q, const uint16_t *K, long ks, int n,
+                                         cv_t *sc) {
+    coli_qkh(nb, hd, q, hd, K, ks, n, sc);
+}
 #endif
 
 #define COLI_ATT_WIDE_OF(SFX, VT, LOAD)                                                            \
@@ -1136,22 +1088,29 @@ COLI_ATT_QKB(_f16, uint16_t, cv_load_h)
                                              int group, int c0, int c1, int hd, int vd, float scale, float softcap, \
                                              float *oc, long ldo, float *ml, long lds, float *work) {     \
         int nh = nkv * group, ahead = coli_att_prefetch > 0, nk = c1 - c0, nq = hd / CV_W, nv = vd / CV_W;                        \
+        int qkh = coli_att_wide_qkh_fits##SFX(hd);                                                  \
         cv_t *acc = (cv_t *)work; /* acc[h * CV_W + i]: head h's chain for key i of the block */  \
         float *s = work + (long)nh * CV_W * CV_W; /* s[h * COLI_ATT_CH + j]: head h, key j */      \
         for (int b = 0; b < nk; b += CV_W) {                                                       \
-            int n = nk - b < CV_W ? nk - b : CV_W, done = 0;                                       \
-            /* GQA: the block's keys against q held in registers, one pass per run of a group's  \
-             * heads. (Without GQA each head reads its own slices; passes by heads over a block's \
-             * 16 rows measured 2.5% slower in olmoe-mini's whole steps than the rows taken one by \
-             * one for all heads, below.) */                                                     \
-            for (int g = 0, h0 = 0; group > 1 && g < nkv; g++)                                     \
-                for (int e = (g + 1) * group; h0 < e; done = h0) {                                 \
-                    int r = coli_att_qkb##SFX(nq, e - h0, q, hd, K, ks, (long)g * hd, c0, b, n, c1, \
-                                              ahead && h0 == 0, (long)nkv * hd * sizeof(VT), acc, h0); \
-                    if (r == 0) { g = nkv; break; }                                                \
-                    h0 += r;                                                                       \
-                }                                                                                  \
-            for (int i = 0; i < n && done < nh; i++) {                                             \
+            int n = nk - b < CV_W ? nk - b : CV_W;                                                 \
+            if (group > 1 && qkh) { /* GQA: coli_qkh passes of a KV group's runs of heads, their   \
+                                     * queries held in registers across the block's keys, each key \
+                                     * vector widened once for a run (without GQA, passes by heads \
+                                     * over a block's 16 rows measured 2.5% slower in olmoe-mini's \
+                                     * whole steps than the rows one by one for all heads, below) */ \
+                for (int i = 0; ahead && i < n && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1; i++)         \
+                    coli_prefetch_row(K + (long)(c0 + b + i + COLI_ATT_WIDE_AHEAD) * ks, (long)nkv * hd * sizeof(VT)); \
+                for (int g = 0; g < nkv; g++)                                                      \
+                    for (int h0 = g * group, r; h0 < (g + 1) * group; h0 += r) {                   \
+                        cv_t sc[4];                                                                \
+                        r = (g + 1) * group - h0 < COLI_ATT_WIDE_HB(nq) ? (g + 1) * group - h0 : COLI_ATT_WIDE_HB(nq); \
+                        coli_att_wide_qkh##SFX(r, hd, q + (long)h0 * hd, K + (long)(c0 + b) * ks + (long)g * hd, ks, n, sc); \
+                        for (int t = 0; t < r; t++)                                                \
+                            coli_att_score(sc[t], n, scale, softcap, s + (long)(h0 + t) * COLI_ATT_CH + b); \
+                    }                                                                              \
+                continue;                                                                          \
+            }                                                                                      \
+            for (int i = 0; i < n; i++) {                                                          \
                 const VT *row = K + (long)(c0 + b + i) * ks;                                       \
                 if (ahead && c0 + b + i + COLI_ATT_WIDE_AHEAD < c1)                                \
                     coli_prefetch_row(row + COLI_ATT_WIDE_AHEAD * ks, (long)nkv * hd * sizeof(VT)); \
