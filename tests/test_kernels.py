@@ -1033,7 +1033,7 @@ def test_attention_takes_the_way_its_rows_call_for(nh, nkv, threads):
         else:
             assert ways(159) == (alone if nkv >= 2 else {"wide": 1})  # GQA, up to 384 keys: wide
             assert ways(299) == (alone if nkv >= 2 else {"wide": 1})  # 300 keys, 5 chunks: still wide
-            runs = {"split": 1} if threads == 2 else {"tiles": 1}  # 3 runs of heads: split with 2 threads
+            runs = {"split": 1} if threads == 2 else {"tiles": 1}  # runs of heads: split with 2 threads
             assert ways(449) == runs  # 450 keys: by runs of heads, which share each KV head's slice
             assert ways(159, mode=0) == runs
         assert ways(159, rows=20) == {"tiles": 1}  # a prompt's rows share their cache

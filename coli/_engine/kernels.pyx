@@ -862,9 +862,10 @@ def attention(q, kptr, vptr, pos, out, int n_heads, int n_kv_heads, int head_dim
     asks for the rows of the chunk it will read next into L2 while it computes one
     (set_att_prefetch). Every row's arithmetic is the same either way, so results do not depend
     on the thread count or on which rows share the call. Rows alone in their sequence (one-token
-    decode) whose heads each have their own KV head take items (row, chunk) instead, every head
-    at once, reading whole cache rows in address order (coli_attend_wide, set_att_wide): the
-    same arithmetic and bits, 1.5x faster from a cold cache on olmoe's shape; a row's chunks
+    decode) whose heads each have their own KV head, or under GQA of up to 384 keys, take items
+    (row, chunk) instead, every head at once, reading whole cache rows in address order
+    (coli_attend_wide, set_att_wide): the same arithmetic and bits, 1.5x faster from a cold
+    cache on olmoe's shape; a row's chunks
     that do not go round the threads evenly are cut into parts of their heads, one a thread
     (set_att_wide_split: 1.1-1.4x faster from a warm cache, the same from a cold one).
     attention_ways counts which way the calls went. Nothing is
