@@ -276,3 +276,56 @@ def test_calls_too_large_to_arrange_take_the_plain_tiles(fmt):
     np.testing.assert_allclose(plain, ref, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(arranged, plain, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FMTS + ["f32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "tiles"])
+def test_whole_experts_a_thread_give_the_phases_bits(fmt, packed, threads):
+    """Decode-shaped calls (every active expert with as many tokens, a multiple of the threads
+    in number) give each thread whole experts (set_moe_whole, moe_ways): exactly the bits of
+    the two phases of row blocks, with the hidden activations quantized (and arranged) per
+    expert; calls whose experts do not go round evenly, and one thread, keep the phases.
+    Experts computed in groups (active, combine on the last) too."""
+    E, H, I = 8, 160, 96
+    table = K.ExpertTable(E, H, I, K.FORMATS[fmt])
+    for e in range(E):
+        trio = [quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+                quantize(rand(H, I, scale=0.2), fmt)]
+        if packed and not all(m.packed_bytes for m in trio):
+            pytest.skip(f"this SIMD path keeps {fmt} experts in rows")
+        for m in trio if packed else ():
+            m.pack()
+        table.set(e, *trio)
+    cases = {
+        "one token, 4 experts": np.array([[6, 1, 3, 4]], np.int32),
+        "two tokens, 4 experts, one each": np.array([[0, 5], [2, 7]], np.int32),
+        "two tokens, 2 experts, two each": np.array([[1, 4], [4, 1]], np.int32),
+        "uneven": np.array([[1, 2], [1, 3]], np.int32),  # 2, 1, 1 tokens: phases
+        "3 experts": np.array([[0, 2, 5]], np.int32),  # not a multiple of 2 threads: phases
+    }
+    for name, idx in cases.items():
+        x = rand(len(idx), H)
+        w = rand(*idx.shape, scale=0.5)
+        got = {}
+        for on in (False, True):
+            K.set_moe_whole(on)
+            K.moe_ways(reset=True)
+            got[on], used = _moe(x, idx, w, table, E, I)
+            assert used == len(np.unique(idx))
+            ways = K.moe_ways()
+            whole = on and threads > 1 and name not in ("uneven", "3 experts")
+            assert ways == {"whole": int(whole), "phases": int(not whole)}, (name, on)
+        K.set_moe_whole(True)
+        np.testing.assert_array_equal(got[True], got[False], err_msg=name)
+    # experts in two groups, the outputs combined on the second call: the bits of one call
+    idx = np.array([[0, 3, 5, 6]], np.int32)
+    x, w = rand(1, H), rand(1, 4, scale=0.5)
+    ref, _ = _moe(x, idx, w, table, E, I)
+    half = np.zeros(E, np.uint8)
+    half[[0, 6]] = 1
+    out, scratch, counts = np.empty((1, H), np.float32), K.MoEScratch(1, 4, E, H, I), np.zeros(E, np.int64)
+    K.moe_ways(reset=True)
+    K.moe_experts(x, idx, w, table, out, scratch, counts, 0, active=half, combine=False)
+    K.moe_experts(x, idx, w, table, out, scratch, counts, 0, active=1 - half)
+    assert K.moe_ways()["whole"] == (2 if threads > 1 else 0)
+    np.testing.assert_array_equal(out, ref)

@@ -633,6 +633,37 @@ cdef enum:
     MOE_TEAM_MAX = 256  # threads a moe_experts call splits its work items over, at most
     MOE_ITEM_EXTRA = 2  # what an item's weight reads cost, in tokens of compute (_moe_split)
 
+# Whether a call whose active experts go round the threads evenly (as many tokens each, a
+# multiple of the threads in number: a decode step's) gives each thread whole experts, its
+# gate, up and down in turn in one parallel region (_moe_whole), instead of two phases of
+# row blocks with the hidden activations quantized between them on one thread. Each thread's
+# weight reads then run on from one matrix to the next with no barrier between.
+cdef bint _moe_whole_on = True
+
+
+def set_moe_whole(bint on):
+    """Whether decode-shaped moe_experts calls give each thread whole experts (default on;
+    see _moe_whole). For tests and measurements: results do not depend on it."""
+    global _moe_whole_on
+    _moe_whole_on = on
+
+
+def get_moe_whole():
+    return _moe_whole_on
+
+
+cdef long _moe_ways[2]
+
+
+def moe_ways(bint reset=False):
+    """How many moe_experts calls that computed experts went each way since the last reset:
+    {"whole": whole experts a thread, "phases": two phases of row blocks (one thread, or
+    experts that do not go round the threads evenly)}. reset zeroes them."""
+    out = {"whole": _moe_ways[0], "phases": _moe_ways[1]}
+    if reset:
+        _moe_ways[0] = _moe_ways[1] = 0
+    return out
+
 
 cdef void _moe_split(const int *items, int n, const int *cnt, int nt, int *bnd) noexcept nogil:
     """bnd[0..nt]: thread t takes items[bnd[t]:bnd[t+1]], runs in order of about equal cost.
@@ -672,6 +703,7 @@ cdef struct moe_job:
     coli_act16 ax16, ah16  # the same as int16 groups, for int8 experts
     bint q16
     const float *panels
+    int fmt                # the table's format (for coli_expand_act in _moe_whole)
 
 
 cdef void _moe_up(const moe_job *j, int item) noexcept nogil:
@@ -710,6 +742,33 @@ cdef void _moe_down(const moe_job *j, int item) noexcept nogil:
         coli_gemm_q16(&sub16, ne, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
     else:
         coli_gemm_any_of(&sub, ne, j.M, &j.mats[3 * e + 2], n0, nb, I, j.y + <long>off * H, H)
+
+
+cdef void _moe_whole(const moe_job *j, const int *experts, int n) noexcept nogil:
+    """Experts experts[0:n] whole, one after the other: every row block of an expert's gate
+    and up (_moe_up), its tokens' hidden activations quantized (and arranged, where the
+    call's tiles read them so) as the two-phase way quantizes them, then every row block of
+    its down (_moe_down). The same items and arithmetic as the phases, so the same bits."""
+    cdef int i, e, b, r, off, ne
+    cdef int nbu = (j.inter + j.rb - 1) // j.rb, nbd = (j.H + j.rb - 1) // j.rb
+    cdef coli_act sub
+    for i in range(n):
+        e = experts[i]
+        for b in range(nbu):
+            _moe_up(j, e * 65536 + b)
+        off, ne = j.offs[e], j.cnt[e]
+        if j.q16:
+            for r in range(ne):
+                _quantize_row16(j.g + <long>(off + r) * j.inter, j.inter, &j.ah16, off + r)
+        elif j.ah.q != NULL:
+            sub = _rows(j.ah, off)
+            for r in range(ne):
+                coli_quantize_row_q8(j.g + <long>(off + r) * j.inter, j.inter, <int8_t *>sub.q + r * sub.ldq,
+                                     <float *>sub.qd + r * sub.ldb, <int32_t *>sub.qs + r * sub.ldb)
+            if sub.xe != NULL:
+                coli_expand_act(&sub, ne, j.inter, j.fmt, <int8_t *>sub.xe, sub.lde)
+        for b in range(nbd):
+            _moe_down(j, e * 65536 + b)
 
 
 def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, counts, int act,
@@ -768,7 +827,33 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     cdef moe_job job
     job.mats, job.H, job.inter, job.act = table.mats, H, inter, act
     job.M = M
+    job.fmt = table.fmt
     job.cnt, job.offs, job.poff = cnt, offs, poff
+    memset(cnt, 0, E * sizeof(int))
+    for p in range(pairs):
+        cnt[ip[p]] += 1
+    # rows per work item; in decoding (few tokens per expert) longer runs of rows keep each
+    # thread's weight reads sequential, which the hardware prefetcher streams best
+    cdef bint wide = table.fmt == COLI_F32 or table.fmt == COLI_BF16
+    cdef int rb = 2 * ROW_BLOCK if wide else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
+    job.rb = rb
+    cdef int min_rows = PANEL_MIN_ROWS
+    cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
+    if nt > MOE_TEAM_MAX:
+        nt = MOE_TEAM_MAX
+    # whole experts a thread (_moe_whole) where the active experts have as many tokens each
+    # and go round the threads evenly, and none takes token panels
+    cdef int n_on = 0, c0 = -1
+    cdef bint whole = _moe_whole_on and nt > 1
+    for e in range(E):
+        if cnt[e] > 0 and (on == NULL or on[e]):
+            n_on += 1
+            if c0 < 0:
+                c0 = cnt[e]
+            elif cnt[e] != c0:
+                whole = False
+    whole = whole and n_on > 0 and n_on % nt == 0 and not (wide and c0 >= min_rows)
+    cdef long ld16x, ld16h
     job.g, job.u, job.y = scratch.g, scratch.u, scratch.y
     job.ax = _activations(xg, H, NULL, NULL, NULL, 0, 0)
     job.ah = _activations(scratch.g, inter, NULL, NULL, NULL, 0, 0)
@@ -777,7 +862,19 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     job.q16 = table.fmt == COLI_Q8
     job.ax16 = job.ah16 = _act16(NULL, NULL, QK)
     cdef int16_t *q16 = NULL
-    if job.q16:
+    if job.q16 and whole:
+        # each thread quantizes its experts' hidden activations while the other threads still
+        # read their experts' inputs: the two get buffers of their own
+        ld16x, ld16h = padded(H), padded(inter)
+        q16 = _q16_scratch(<size_t>pairs * (ld16x + ld16h))
+        job.ax16 = _act16(q16, scratch.xqd, ld16x)
+        job.ah16 = _act16(q16 + pairs * ld16x, scratch.hqd, ld16h)
+        if coli_q16_xe_ld(pairs, H if H > inter else inter):
+            ld16x, ld16h = coli_q16_xe_ld(pairs, H), coli_q16_xe_ld(pairs, inter)
+            job.ax16.xe = <const uint8_t *>_xe_scratch(<size_t>pairs * (ld16x + ld16h))
+            job.ah16.xe = job.ax16.xe + pairs * ld16x
+            job.ax16.lde, job.ah16.lde = ld16x, ld16h
+    elif job.q16:
         q16 = _q16_scratch(<size_t>pairs * (padded(H) if H > inter else padded(inter)))
         # (their arrangements share one buffer too)
         job.ax16 = _act16_arranged(q16, scratch.xqd, pairs, H if H > inter else inter)
@@ -790,19 +887,10 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         job.ax = _activations(xg, H, scratch.xq, scratch.xqd, scratch.xqs, padded(H), padded(H) // QK)
         job.ah = _activations(scratch.g, inter, scratch.hq, scratch.hqd, scratch.hqs, padded(inter),
                               padded(inter) // QK)
-    # rows per work item; in decoding (few tokens per expert) longer runs of rows keep each
-    # thread's weight reads sequential, which the hardware prefetcher streams best
-    cdef bint wide = table.fmt == COLI_F32 or table.fmt == COLI_BF16
-    cdef int rb = 2 * ROW_BLOCK if wide else (4 * ROW_BLOCK if pairs <= 16 else ROW_BLOCK)
-    job.rb = rb
     cdef int kmax = H if H > inter else inter
     # f32 / bf16 experts with many tokens: their gathered rows packed into token panels
     cdef float *panels = _panel_scratch(<size_t>(pairs + E * COLI_NP) * kmax) if wide else NULL
     job.panels = panels
-    cdef int min_rows = PANEL_MIN_ROWS
-    cdef int nt = _team(<long>pairs * H * inter * 3 // 4)  # as qlinear's: multiply-adds / 4
-    if nt > MOE_TEAM_MAX:
-        nt = MOE_TEAM_MAX
     # experts with several tokens take the multi-token tiles: their activations arranged once
     cdef long ldx = coli_xe_ld(table.fmt, pairs, H) if quant else 0
     cdef long ldh = coli_xe_ld(table.fmt, pairs, inter) if quant else 0
@@ -821,10 +909,8 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
         xe = _xe_scratch(pairs * (ldx + ldh))
         job.ax.xe, job.ax.lde = xe, ldx
         job.ah.xe, job.ah.lde = xe + pairs * ldx, ldh
+    cdef int *whole_e
     with nogil:
-        memset(cnt, 0, E * sizeof(int))
-        for p in range(pairs):
-            cnt[ip[p]] += 1
         offs[0] = 0
         for e in range(E):
             offs[e + 1] = offs[e] + cnt[e]
@@ -866,37 +952,52 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
                 poff[e] = p
                 coli_pack_tokens(xg + <long>offs[e] * H, H, cnt[e], H, panels + <long>p * H)
                 p = p + (cnt[e] + COLI_NP - 1) // COLI_NP * COLI_NP
-        # Each phase's items go to the threads as runs in order, of about equal cost, so a
-        # thread reads long stretches of one or a few experts. Handed out one by one, the
-        # threads alternated blocks of the same expert, and each core's prefetchers ran on
-        # into the blocks the other core then read again: olmoe-1b-7b's shape decoded 4
-        # streams 1.22-1.28x faster in runs (BENCHMARKS.md, "MoE work items in runs").
-        if nt == 1 or n1 == 0:
-            for it in range(n1):
-                _moe_up(&job, it1[it])
-        else:
-            _moe_split(it1, n1, cnt, nt, bnd)
+        if whole and n1 > 0:
+            # (after the items: the list of experts fits where they end)
+            _moe_ways[0] += 1
+            whole_e = it1 + n1 + n2
+            n_on = 0
+            for e in range(E):
+                if cnt[e] > 0 and (on == NULL or on[e]):
+                    whole_e[n_on] = e
+                    n_on = n_on + 1
+            n_on = n_on // nt
             for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
-                for it in range(bnd[t], bnd[t + 1]):
+                _moe_whole(&job, whole_e + t * n_on, n_on)
+        else:
+            if n1 > 0:
+                _moe_ways[1] += 1
+            # Each phase's items go to the threads as runs in order, of about equal cost, so a
+            # thread reads long stretches of one or a few experts. Handed out one by one, the
+            # threads alternated blocks of the same expert, and each core's prefetchers ran on
+            # into the blocks the other core then read again: olmoe-1b-7b's shape decoded 4
+            # streams 1.22-1.28x faster in runs (BENCHMARKS.md, "MoE work items in runs").
+            if nt == 1 or n1 == 0:
+                for it in range(n1):
                     _moe_up(&job, it1[it])
-        if job.q16:
-            _quantize_rows16(scratch.g, inter, pairs, inter, &job.ah16)
-        elif quant:
-            _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
-        if xe != NULL:
-            coli_expand_act(&job.ah, pairs, inter, table.fmt, <int8_t *>job.ah.xe, ldh)
-        for e in range(E):
-            if poff[e] >= 0:
-                coli_pack_tokens(scratch.g + <long>offs[e] * inter, inter, cnt[e], inter,
-                                 panels + <long>poff[e] * inter)
-        if nt == 1 or n2 == 0:
-            for it in range(n2):
-                _moe_down(&job, it1[n1 + it])
-        else:
-            _moe_split(it1 + n1, n2, cnt, nt, bnd)
-            for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
-                for it in range(bnd[t], bnd[t + 1]):
+            else:
+                _moe_split(it1, n1, cnt, nt, bnd)
+                for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+                    for it in range(bnd[t], bnd[t + 1]):
+                        _moe_up(&job, it1[it])
+            if job.q16:
+                _quantize_rows16(scratch.g, inter, pairs, inter, &job.ah16)
+            elif quant:
+                _quantize_rows(scratch.g, inter, pairs, inter, scratch.hq, scratch.hqd, scratch.hqs)
+            if xe != NULL:
+                coli_expand_act(&job.ah, pairs, inter, table.fmt, <int8_t *>job.ah.xe, ldh)
+            for e in range(E):
+                if poff[e] >= 0:
+                    coli_pack_tokens(scratch.g + <long>offs[e] * inter, inter, cnt[e], inter,
+                                     panels + <long>poff[e] * inter)
+            if nt == 1 or n2 == 0:
+                for it in range(n2):
                     _moe_down(&job, it1[n1 + it])
+            else:
+                _moe_split(it1 + n1, n2, cnt, nt, bnd)
+                for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+                    for it in range(bnd[t], bnd[t + 1]):
+                        _moe_down(&job, it1[n1 + it])
     if not combine:
         return used
     with nogil:
