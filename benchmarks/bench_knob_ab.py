@@ -4,10 +4,12 @@ minutes on shared hosts) cannot bias towards either side.
 
     python benchmarks/bench_knob_ab.py -m /work/models/olmoe-mini-int4s --threads 2 --knob set_att_wide_split --values 1,0
     python benchmarks/bench_knob_ab.py -m DIR --knob set_att_wide --values 2,0 --rounds 12
+    python benchmarks/bench_knob_ab.py -m DIR --knob set_moe_whole --values 0,1 --streams 4
 
 Each round prefills a ``--prompt``-token prompt into a fresh cache, then decodes ``--tokens``
 steps with every value in turn (the cache cut back to the prompt between values, so each
-value decodes the same positions); the order of the values alternates between rounds. Prints
+value decodes the same positions; with ``--streams`` S caches, each from its own prompt, step
+together); the order of the values alternates between rounds. Prints
 the median ms a step of each value over the rounds and their ratio to the first value.
 Settings are those of ``coli._engine.kernels`` taking one int (``set_att_wide``,
 ``set_att_wide_split``, ``set_att_prefetch``, ...): results do not depend on them, only speed.
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--streams", type=int, default=1, help="sequences decoded together, one token each a step")
     a = ap.parse_args()
     setter = getattr(K, a.knob, None)
     if setter is None or not a.knob.startswith("set_"):
@@ -39,26 +42,28 @@ def main() -> None:
     values = [int(v) for v in a.values.split(",")]
     m = coli.load(a.model, threads=a.threads)
     eng = m.engine
-    ids = [2 + j % 1000 for j in range(a.prompt)]
     times: dict[int, list[float]] = {v: [] for v in values}
     try:
         for r in range(a.rounds + 1):
-            c = eng.new_cache(a.prompt + a.tokens + 16)
-            for s0 in range(0, len(ids), 256):
-                eng.step([(c, ids[s0:s0 + 256])])
+            caches = [eng.new_cache(a.prompt + a.tokens + 16) for _ in range(a.streams)]
+            for i, c in enumerate(caches):  # (each stream its own prompt: different experts)
+                own = [2 + (j + 37 * i) % 1000 for j in range(a.prompt)]
+                for s0 in range(0, len(own), 256):
+                    eng.step([(c, own[s0:s0 + 256])])
             order = values if r % 2 == 0 else values[::-1]
             for v in order:
                 setter(v)
-                c.truncate(a.prompt)
+                for c in caches:
+                    c.truncate(a.prompt)
                 t0 = time.perf_counter()
-                for _ in range(a.tokens):
-                    eng.step([(c, [5])])
+                for t in range(a.tokens):
+                    eng.step([(c, [5 + (t + 11 * i) % 500]) for i, c in enumerate(caches)])
                 if r > 0:  # round 0 warms up
                     times[v].append((time.perf_counter() - t0) / a.tokens * 1e3)
     finally:
         m.close()
     print(f"{a.model} · {K.simd_name()} · {a.threads} threads · {a.prompt} → {a.prompt + a.tokens} positions · "
-          f"{a.rounds} rounds · load {os.getloadavg()[0]:.1f}")
+          f"{a.streams} stream(s) · {a.rounds} rounds · load {os.getloadavg()[0]:.1f}")
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
