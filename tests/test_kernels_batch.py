@@ -329,3 +329,40 @@ def test_whole_experts_a_thread_give_the_phases_bits(fmt, packed, threads):
     K.moe_experts(x, idx, w, table, out, scratch, counts, 0, active=1 - half)
     assert K.moe_ways()["whole"] == (2 if threads > 1 else 0)
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt", FMTS + ["f32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "tiles"])
+@pytest.mark.parametrize("M", [1, 3, 8, 9])
+def test_one_region_mlp_gives_the_two_calls_bits(fmt, packed, M, threads):
+    """qlinear_mlp: decode-sized calls (up to 8 tokens, quantized, several threads) run gate/up,
+    the hidden rows' quantization and down in one parallel region (mlp_ways); every call has
+    the bits of qlinear_many(gate, up, act) then qlinear(down), and of the unfused path."""
+    H, I = 160, 224
+    mats = [quantize(rand(I, H, scale=0.2), fmt), quantize(rand(I, H, scale=0.2), fmt),
+            quantize(rand(H, I, scale=0.2), fmt)]
+    if packed:
+        if not all(m.packed_bytes for m in mats):
+            pytest.skip(f"this SIMD path keeps {fmt} in rows")
+        for m in mats:
+            m.pack()
+    gate, up, down = mats
+    x = rand(M, H)
+    kx, kh = K.padded(H), K.padded(I)
+
+    def scratch(kp):
+        return np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32)
+
+    ref_g, ref_u, ref = np.empty((M, I), np.float32), np.empty((M, I), np.float32), np.empty((M, H), np.float32)
+    K.qlinear_many(x, (gate, up), (ref_g, ref_u), (None, None), *scratch(kx), 0)
+    K.qlinear(ref_g, down, ref, None, *scratch(kh))
+    for on in (True, False):
+        K.set_mlp_fused(on)
+        K.mlp_ways(reset=True)
+        g, u, out = (np.full(a.shape, np.nan, np.float32) for a in (ref_g, ref_u, ref))
+        K.qlinear_mlp(x, gate, up, down, 0, g, u, out, *scratch(kx), *scratch(kh))
+        fused = on and threads > 1 and M <= 8 and fmt in FMTS
+        assert K.mlp_ways() == {"fused": int(fused), "calls": int(not fused)}
+        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(g, ref_g)
+    K.set_mlp_fused(True)

@@ -526,6 +526,152 @@ cdef int _qlinear_group(x, tuple mats, tuple outs, tuple biases, xq, xqd, xqs, i
     return 0
 
 
+# Whether qlinear_mlp runs a decode-sized gated MLP in one parallel region (see there).
+cdef bint _mlp_fused_on = True
+cdef enum:
+    MLP_FUSED_MAX = 8  # tokens a call runs in one region, at most (decode, small batches)
+
+
+def set_mlp_fused(bint on):
+    """Whether qlinear_mlp runs decode-sized calls in one parallel region (default on). For
+    measurements: results do not depend on it."""
+    global _mlp_fused_on
+    _mlp_fused_on = on
+
+
+cdef long _mlp_ways[2]
+
+
+def mlp_ways(bint reset=False):
+    """How many qlinear_mlp calls since the last reset ran in one parallel region ("fused") and
+    how many as two calls ("calls"). reset zeroes them."""
+    out = {"fused": _mlp_ways[0], "calls": _mlp_ways[1]}
+    if reset:
+        _mlp_ways[0] = _mlp_ways[1] = 0
+    return out
+
+
+cdef int _mlp_acts(qgroup *g, const float *x, int M, int K, int fmt, bint packed, int8_t *q, float *qd,
+                   int32_t *qs, int16_t *q16, uint8_t *xe) except -1:
+    """g.a / g.a16 for M rows of K columns as _qlinear_group sets them for a decode-sized call,
+    over the given buffers (xe: room for the arrangement, or NULL). Returns the arranged bytes a
+    row takes (0: none)."""
+    cdef int kp = (K + QK - 1) // QK * QK
+    cdef long lde
+    g.a = _activations(x, K, NULL, NULL, NULL, 0, 0)
+    g.a16 = _act16(NULL, NULL, QK)
+    if fmt == COLI_Q8:
+        g.a16 = _act16(q16, qd, kp)
+        lde = coli_q16_xe_ld(M, K) if coli_q16_xe_used(M) else 0
+        if lde:
+            g.a16.xe, g.a16.lde = <const uint8_t *>xe, lde
+        return lde
+    g.a = _activations(x, K, q, qd, qs, kp, kp // QK)
+    lde = coli_xe_ld(fmt, M, K)
+    if packed and lde == 0:
+        lde = coli_q4x_xe_ld(M, K)
+    if lde:
+        g.a.xe, g.a.lde = <const int8_t *>xe, lde
+    return lde
+
+
+cdef long _mlp_lde(int fmt, bint packed, int M, int K) noexcept nogil:
+    cdef long lde
+    if fmt == COLI_Q8:
+        return coli_q16_xe_ld(M, K) if coli_q16_xe_used(M) else 0
+    lde = coli_xe_ld(fmt, M, K)
+    if packed and lde == 0:
+        lde = coli_q4x_xe_ld(M, K)
+    return lde
+
+
+cdef inline void _mlp_hidden_row(qgroup *g2, int m, int I) noexcept nogil:
+    """Row m of the hidden activations quantized (and arranged) as qlinear quantizes its input."""
+    cdef coli_act sub
+    if g2.ms[0].fmt == COLI_Q8:
+        _quantize_row16(g2.a.x + <long>m * I, I, &g2.a16, m)
+        return
+    sub = _rows(g2.a, m)
+    coli_quantize_row_q8(sub.x, I, <int8_t *>sub.q, <float *>sub.qd, <int32_t *>sub.qs)
+    if sub.xe != NULL:
+        coli_expand_act(&sub, 1, I, g2.ms[0].fmt, <int8_t *>sub.xe, sub.lde)
+
+
+def qlinear_mlp(x, QMatrix gate, QMatrix up, QMatrix down, int act, g, u, out, xq, xqd, xqs, hq, hqd, hqs):
+    """out = down(act(gate(x)) * up(x)) (act: 0 silu, 1 gelu_tanh), g ending up act(gate) * up
+    and u holding up: the same bits as ``qlinear_many(x, (gate, up), (g, u), ..., act)`` then
+    ``qlinear(g, down, out, ...)``, which it is for most calls. A decode-sized call (up to 8
+    tokens, the three matrices quantized alike, several threads) runs in one parallel region
+    instead: gate and up's row blocks, a barrier, the hidden rows quantized, a barrier, down's
+    row blocks, with no return to Python and no second start of the threads between the two.
+    xq/xqd/xqs: the scratch qlinear takes for x; hq/hqd/hqs: for the hidden activations (the
+    two may be the same buffers)."""
+    cdef int M = _dim(x, 0), H = _dim(x, 1), I = gate.rows, fmt = gate.fmt, b, m, nt, i
+    cdef bint quant = fmt == COLI_Q8 or fmt == COLI_Q4 or fmt == COLI_Q4A
+    if up.rows != I or up.cols != H or down.cols != I or gate.cols != H or up.fmt != fmt or down.fmt != fmt:
+        raise ValueError("qlinear_mlp: gate, up (inter, hidden) and down (hidden, inter) in one format")
+    if not (_mlp_fused_on and quant and 0 < M <= MLP_FUSED_MAX and _nthreads > 1):
+        _mlp_ways[1] += M > 0
+        _qlinear_group(x, (gate, up), (g, u), (None, None), xq, xqd, xqs, act)
+        _qlinear_group(g, (down,), (out,), (None,), hq, hqd, hqs)
+        return
+    cdef const float *xp = <const float *>_arr(x, cnp.NPY_FLOAT32, 2, False, "qlinear_mlp: x")
+    cdef float *gp = <float *>_arr(g, cnp.NPY_FLOAT32, 2, True, "qlinear_mlp: g")
+    cdef float *up_ = <float *>_arr(u, cnp.NPY_FLOAT32, 2, True, "qlinear_mlp: u")
+    cdef float *op = <float *>_arr(out, cnp.NPY_FLOAT32, 2, True, "qlinear_mlp: out")
+    cdef int kx = padded(H), kh = padded(I)
+    if (_dim(g, 0) != M or _dim(g, 1) != I or _dim(u, 0) != M or _dim(u, 1) != I or _dim(out, 0) != M
+            or _dim(out, 1) != down.rows):
+        raise ValueError("qlinear_mlp: g, u (M, inter) and out (M, hidden)")
+    for a_, w_ in ((xq, kx), (xqd, kx // QK), (xqs, kx // QK), (hq, kh), (hqd, kh // QK), (hqs, kh // QK)):
+        if _dim(a_, 0) < M or _dim(a_, 1) != w_:
+            raise ValueError("qlinear_mlp: activation scratch too small")
+    cdef int8_t *qx = <int8_t *>_arr(xq, cnp.NPY_INT8, 2, True, "qlinear_mlp: xq")
+    cdef float *qxd = <float *>_arr(xqd, cnp.NPY_FLOAT32, 2, True, "qlinear_mlp: xqd")
+    cdef int32_t *qxs = <int32_t *>_arr(xqs, cnp.NPY_INT32, 2, True, "qlinear_mlp: xqs")
+    cdef int8_t *qh = <int8_t *>_arr(hq, cnp.NPY_INT8, 2, True, "qlinear_mlp: hq")
+    cdef float *qhd = <float *>_arr(hqd, cnp.NPY_FLOAT32, 2, True, "qlinear_mlp: hqd")
+    cdef int32_t *qhs = <int32_t *>_arr(hqs, cnp.NPY_INT32, 2, True, "qlinear_mlp: hqs")
+    cdef qgroup g1, g2
+    cdef bint pk1 = gate.m.pk != NULL or up.m.pk != NULL, pk2 = down.m.pk != NULL
+    # the hidden rows' quantization and arrangement reuse x's buffers once gate and up are done
+    cdef long l1 = _mlp_lde(fmt, pk1, M, H), l2 = _mlp_lde(fmt, pk2, M, I)
+    cdef uint8_t *xe = <uint8_t *>_xe_scratch(<size_t>M * max(l1, l2)) if l1 or l2 else NULL
+    cdef int16_t *q16 = _q16_scratch(<size_t>M * max(kx, kh)) if fmt == COLI_Q8 else NULL
+    _mlp_acts(&g1, xp, M, H, fmt, pk1, qx, qxd, qxs, q16, xe)
+    _mlp_acts(&g2, gp, M, I, fmt, pk2, qh, qhd, qhs, q16, xe)
+    g1.n, g1.M, g1.K, g1.rb, g1.act, g1.panels = 2, M, H, ROW_BLOCK, act, NULL
+    g1.ms[0], g1.ms[1], g1.Ys[0], g1.Ys[1], g1.Bs[0], g1.Bs[1] = gate.m, up.m, gp, up_, NULL, NULL
+    g1.Ns[0] = g1.Ns[1] = I
+    g1.first[0], g1.first[1] = 0, (I + ROW_BLOCK - 1) // ROW_BLOCK
+    g1.first[2] = 2 * g1.first[1]
+    g2.n, g2.M, g2.K, g2.rb, g2.act, g2.panels = 1, M, I, ROW_BLOCK, -1, NULL
+    g2.ms[0], g2.Ys[0], g2.Bs[0], g2.Ns[0] = down.m, op, NULL, down.rows
+    g2.first[0], g2.first[1] = 0, (down.rows + ROW_BLOCK - 1) // ROW_BLOCK
+    cdef int t1 = g1.first[1], t2 = g2.first[1]
+    nt = _team(<long>M * H * t1 * ROW_BLOCK // 4 * 2)
+    if nt == 1:
+        _mlp_ways[1] += 1
+        _qlinear_group(x, (gate, up), (g, u), (None, None), xq, xqd, xqs, act)
+        _qlinear_group(g, (down,), (out,), (None,), hq, hqd, hqs)
+        return
+    _mlp_ways[0] += 1
+    with nogil:
+        if q16 != NULL:
+            _quantize_rows16(xp, H, M, H, &g1.a16)
+        else:
+            _quantize_rows(xp, H, M, H, qx, qxd, qxs)
+            if l1:
+                coli_expand_act(&g1.a, M, H, fmt, <int8_t *>g1.a.xe, l1)
+        with parallel(num_threads=nt):
+            for b in prange(t1, schedule='static'):
+                _qlinear_block(&g1, b)
+            for m in prange(M, schedule='static'):
+                _mlp_hidden_row(&g2, m, I)
+            for b in prange(t2, schedule='static'):
+                _qlinear_block(&g2, b)
+
+
 cdef class ExpertTable:
     """The gate, up and down matrices of every expert of one MoE layer, all in one format.
 
