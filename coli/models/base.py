@@ -219,19 +219,9 @@ class GatedMLP:
         self.gate_up = LinearGroup(self.gate, self.up)
         self.inter, self.act = inter, act
         self.bufs = (("mlp_g", inter, np.float32), ("mlp_u", inter, np.float32))  # (M, I) each
-        # one kernel call for the three (K.qlinear_mlp: one parallel region in decode) where
-        # they share a format and have no bias or column scales
-        mats = (self.gate, self.up, self.down)
-        self.one_call = (self.gate_up.fused and self.down.mat.fmt == self.gate.mat.fmt
-                         and all(l.bias is None and l.xscale is None for l in mats))
 
     def __call__(self, x: np.ndarray, rs: RunState, out: np.ndarray) -> None:
         g, u = gu = rs.views(self, len(x), self.bufs)
-        if self.one_call:
-            K.qlinear_mlp(x, self.gate.mat, self.up.mat, self.down.mat, self.act, g, u, out,
-                          *rs.views(self.gate_up, len(x), self.gate_up.scratch),
-                          *rs.views(self.down, len(x), self.down.scratch))
-            return
         self.gate_up(x, gu, rs, self.act)  # g = act(gate) * up
         self.down(g, out, rs)
 
