@@ -41,6 +41,9 @@ def main() -> None:
         ap.error(f"--knob: coli._engine.kernels has no setter {a.knob!r}")
     values = [int(v) for v in a.values.split(",")]
     m = coli.load(a.model, threads=a.threads)
+    # the thread governor off (coli.threads): its trials of fewer threads, 8 steps every 256 or
+    # more, would land in some of the timed steps and not in others
+    m.engine.governor = None
     eng = m.engine
     times: dict[int, list[float]] = {v: [] for v in values}
     try:

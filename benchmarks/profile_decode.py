@@ -145,6 +145,9 @@ def main() -> None:
     cpu_clock = a.clock == "cpu" or (a.clock is None and a.threads == 1)
     clock = time.thread_time if cpu_clock else time.perf_counter
     m = coli.load(a.model, threads=a.threads)
+    # the thread governor off (coli.threads): its trials of fewer threads, 8 steps every 256 or
+    # more, would land in some of the timed steps and not in others
+    m.engine.governor = None
     eng = m.engine
     caches = [eng.new_cache(a.context + 16 + 2 * a.tokens) for _ in range(a.streams)]
     for i, c in enumerate(caches):
