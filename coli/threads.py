@@ -24,6 +24,11 @@ when it is clearly faster:
   abandoned at its first step if that step alone is ABORT times the current pace, so a trial
   on a still-busy machine costs one slow step.
 
+A trial of fewer threads also ends after its first LOSE_EARLY steps when every one of them
+was slower than the current pace: it could not have been BETTER times faster, and on a quiet
+machine (where the early trial comes in the first reply of every new process) it then costs 3
+slower steps instead of WINDOW.
+
 Results do not depend on the thread count (the kernels split work so that each output's
 arithmetic is the same however it is split; tests check), so the switch is invisible except
 in speed. ``COLI_ADAPTIVE_THREADS=0`` keeps the configured count.
@@ -50,6 +55,7 @@ MAX_UP_AFTER = 1024  # ... at most, so a machine that got quiet again is noticed
 STALL = 2.5  # a window this much slower than the best one seen at the same count: try fewer now
 BETTER = 1.3  # fewer threads are kept only when this much faster (more threads: when faster at all)
 ABORT = 4.0  # a trial step this much slower than the current pace ends the trial
+LOSE_EARLY = 3  # a trial of fewer threads whose first this many steps are all slower ends there
 
 
 def enabled(env=None) -> bool:
@@ -130,6 +136,13 @@ class ThreadGovernor:
         xs.setdefault(tokens, []).append(seconds)
         ref = self._ref(tokens)
         if ref is not None and seconds > ABORT * ref:  # clearly slower: no need to see more of it
+            self._end(won=False)
+            return
+        # fewer threads are kept only when BETTER times faster: first steps all slower than the
+        # current pace cannot get there (a quiet machine, where one thread of two runs ~1.6x
+        # slower: 3 steps of the trial instead of WINDOW)
+        same = xs[tokens]
+        if n < self.n and ref is not None and len(same) == LOSE_EARLY and min(same) > ref:
             self._end(won=False)
             return
         if sum(len(v) for v in xs.values()) < WINDOW:

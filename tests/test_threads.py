@@ -16,8 +16,8 @@ from tests.test_errors import assert_one_line_error, coli_cli
 from coli import synthetic
 from coli._engine import kernels as K
 from coli.errors import InvalidRequestError
-from coli.threads import (FIRST_AFTER, FIRST_TRIAL, MAX_AFTER, MAX_UP_AFTER, WINDOW, ComputeThreads, ThreadGovernor,
-                          enabled)
+from coli.threads import (FIRST_AFTER, FIRST_TRIAL, LOSE_EARLY, MAX_AFTER, MAX_UP_AFTER, WINDOW, ComputeThreads,
+                          ThreadGovernor, enabled)
 
 
 class Machine:
@@ -88,12 +88,27 @@ def test_busy_from_the_start_is_found_by_the_early_trial():
 
 def test_a_quiet_machine_loses_the_early_trial_and_waits_the_full_first_after():
     m, gov = governed(QUIET, BUSY)
-    m.run(gov, FIRST_TRIAL + WINDOW)
-    assert gov.n == 2 and gov.trials == 1 and gov.after == FIRST_AFTER
+    m.run(gov, FIRST_TRIAL + LOSE_EARLY)
+    # the trial's first steps were all slower than two threads' pace: it ended there
+    assert gov.n == 2 and gov.trials == 1 and gov.trial is None and gov.after == FIRST_AFTER
+    assert m.history.count(1) == LOSE_EARLY
     m.run(gov, FIRST_AFTER - 1)
     assert gov.trials == 1
     m.run(gov, 1)
     assert gov.trials == 2
+
+
+def test_a_trial_of_fewer_threads_with_one_fast_first_step_runs_its_window():
+    """Ending early takes every one of the first LOSE_EARLY steps slower: one at least as fast
+    as the current pace and the trial is judged on its whole window, as before."""
+    m, gov = governed(QUIET, BUSY)
+    m.run(gov, FIRST_TRIAL)
+    assert gov.trial is not None and gov.active == 1
+    gov.observe(1, QUIET[2] * 0.9)  # a fast first step at one thread
+    m.run(gov, LOSE_EARLY)
+    assert gov.trial is not None  # still running
+    m.run(gov, WINDOW - 1 - LOSE_EARLY)
+    assert gov.trial is None and gov.n == 2 and gov.trials == 1
 
 
 def test_when_the_machine_is_quiet_again_every_thread_comes_back():
