@@ -748,7 +748,9 @@ cdef void _moe_whole(const moe_job *j, const int *experts, int n) noexcept nogil
     """Experts experts[0:n] whole, one after the other: every row block of an expert's gate
     and up (_moe_up), its tokens' hidden activations quantized (and arranged, where the
     call's tiles read them so) as the two-phase way quantizes them, then every row block of
-    its down (_moe_down). The same items and arithmetic as the phases, so the same bits."""
+    its down (_moe_down). The same items and arithmetic as the phases, so the same bits.
+    The hidden rows are quantized one by one here: _quantize_rows(16) may open a parallel
+    region of their own, which must not nest inside this one."""
     cdef int i, e, b, r, off, ne
     cdef int nbu = (j.inter + j.rb - 1) // j.rb, nbd = (j.H + j.rb - 1) // j.rb
     cdef coli_act sub
@@ -853,7 +855,7 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
             elif cnt[e] != c0:
                 whole = False
     whole = whole and n_on > 0 and n_on % nt == 0 and not (wide and c0 >= min_rows)
-    cdef long ld16x, ld16h
+    cdef long kpx, kph, ldex, ldeh  # (int8 experts taken whole: their two int16 buffers)
     job.g, job.u, job.y = scratch.g, scratch.u, scratch.y
     job.ax = _activations(xg, H, NULL, NULL, NULL, 0, 0)
     job.ah = _activations(scratch.g, inter, NULL, NULL, NULL, 0, 0)
@@ -865,15 +867,15 @@ def moe_experts(x, idx, weights, ExpertTable table, out, MoEScratch scratch, cou
     if job.q16 and whole:
         # each thread quantizes its experts' hidden activations while the other threads still
         # read their experts' inputs: the two get buffers of their own
-        ld16x, ld16h = padded(H), padded(inter)
-        q16 = _q16_scratch(<size_t>pairs * (ld16x + ld16h))
-        job.ax16 = _act16(q16, scratch.xqd, ld16x)
-        job.ah16 = _act16(q16 + pairs * ld16x, scratch.hqd, ld16h)
+        kpx, kph = padded(H), padded(inter)
+        q16 = _q16_scratch(<size_t>pairs * (kpx + kph))
+        job.ax16 = _act16(q16, scratch.xqd, kpx)
+        job.ah16 = _act16(q16 + pairs * kpx, scratch.hqd, kph)
         if coli_q16_xe_ld(pairs, H if H > inter else inter):
-            ld16x, ld16h = coli_q16_xe_ld(pairs, H), coli_q16_xe_ld(pairs, inter)
-            job.ax16.xe = <const uint8_t *>_xe_scratch(<size_t>pairs * (ld16x + ld16h))
-            job.ah16.xe = job.ax16.xe + pairs * ld16x
-            job.ax16.lde, job.ah16.lde = ld16x, ld16h
+            ldex, ldeh = coli_q16_xe_ld(pairs, H), coli_q16_xe_ld(pairs, inter)
+            job.ax16.xe = <const uint8_t *>_xe_scratch(<size_t>pairs * (ldex + ldeh))
+            job.ah16.xe = job.ax16.xe + pairs * ldex
+            job.ax16.lde, job.ah16.lde = ldex, ldeh
     elif job.q16:
         q16 = _q16_scratch(<size_t>pairs * (padded(H) if H > inter else padded(inter)))
         # (their arrangements share one buffer too)
