@@ -579,7 +579,8 @@ def main(argv=None) -> int:
     def cell(s: dict, fmt: str = "{:.1f}") -> str:
         return f"{fmt.format(s['median'])} [dim]({fmt.format(s['min'])}–{fmt.format(s['max'])})[/dim]"
 
-    title = (f"olmoe-mini · {args.threads} thread(s) · prompt {args.prompt_tokens} · gen {args.gen_tokens} · "
+    model = "olmoe-mini" if args.hf_dir is None else hf_dir.name  # the checkpoint timed, not always olmoe-mini
+    title = (f"{model} · {args.threads} thread(s) · prompt {args.prompt_tokens} · gen {args.gen_tokens} · "
              f"median (min–max) of {args.repeats}")
     table = Table(title=title)
     for col in ("engine", "decode tok/s", "prefill tok/s", "TTFT ms", "cpu util p/d", "tok/cpu-s p/d",
