@@ -3,11 +3,14 @@
     python benchmarks/bench_batch_tiles.py                       # SmolLM2 and olmoe shapes
     python benchmarks/bench_batch_tiles.py --fmts int4 --ms 1,4 --shapes 1536x576
     COLI_SIMD=avx2 python benchmarks/bench_batch_tiles.py        # another path
+    python benchmarks/bench_batch_tiles.py --packed              # in the 4-row tiles the runner packs
 
 For each weight shape (N x K) and format, one ``qlinear`` of M tokens is timed by the CPU
 time of the calling thread (``time.thread_time``, so a busy machine inflates it less than
 wall time), best of --rounds rounds of --reps calls; formats and M are interleaved within
-a round. "x M=1" is a call's cost over the one-token call's: 1.0 means the extra tokens
+a round. --packed holds each matrix in this path's 4-row tiles (``QMatrix.pack``), as
+coli.weights.packing does for a resident model's dense matrices; without it they keep their
+rows, as streamed experts do. "x M=1" is a call's cost over the one-token call's: 1.0 means the extra tokens
 come free (a memory-bound kernel), M means each token pays in full (compute-bound).
 """
 from __future__ import annotations
@@ -37,12 +40,14 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,3,4,8")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--packed", action="store_true", help="hold the matrices in this path's 4-row tiles")
     a = ap.parse_args()
     K.set_num_threads(1)
     rng = np.random.default_rng(0)
     ms = [int(m) for m in a.ms.split(",")]
     fmts = a.fmts.split(",")
-    print(f"SIMD path {K.simd_name()}, 1 thread, thread CPU time per call, best of {a.rounds} x {a.reps}")
+    print(f"SIMD path {K.simd_name()}, {'packed tiles' if a.packed else 'rows'}, 1 thread, "
+          f"thread CPU time per call, best of {a.rounds} x {a.reps}")
     print("| shape | format | " + " | ".join(f"M={m}" for m in ms) + " | " +
           " | ".join(f"x M=1 @{m}" for m in ms if m > 1) + " |")
     print("|---|---|" + "---:|" * (2 * len(ms) - (1 in ms)))
@@ -51,6 +56,9 @@ def main() -> None:
         w = (rng.standard_normal((N, Kd)) * 0.05).astype(np.float32)
         kp = K.padded(Kd)
         mats = {f: quantize(w, f) for f in fmts}
+        if a.packed:
+            for mat in mats.values():
+                mat.pack()  # False (rows kept) for a format this path does not tile
         M = max(ms)
         x = rng.standard_normal((M, Kd)).astype(np.float32)
         sc = (np.empty((M, kp), np.int8), np.empty((M, kp // 32), np.float32), np.empty((M, kp // 32), np.int32))

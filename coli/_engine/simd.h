@@ -85,6 +85,20 @@ static inline float cv_sum(cv_t v) { return v; }
 
 static inline const char *coli_simd_name(void) { return COLI_SIMD_NAME; }
 
+/* COLI_SCHED: a function scheduled by GCC before register allocation, aware of register
+ * pressure (-fschedule-insns -fsched-pressure). The multi-token AVX2 tiles take it: with 16
+ * vector registers they spill their accumulators otherwise (BENCHMARKS.md, the thirty-seventh
+ * session). Only on tiles: it slows the int4 row kernels and the int8 prefill tiles, and GCC
+ * does not inline a function of other options into one without them, so a small helper
+ * with it would become a call (helpers without it inline into it as usual). Not on the
+ * avx2vnni path, whose tiles keep their 8 weight registers and were not measured with it;
+ * other compilers schedule as they do. */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__INTEL_COMPILER) && !defined(__AVXVNNI__)
+#define COLI_SCHED __attribute__((optimize("schedule-insns", "sched-pressure")))
+#else
+#define COLI_SCHED
+#endif
+
 /* ---- half precision: weight scales and the f16 KV cache ---------------------------------
  * IEEE binary16 <-> float32. Widening is exact. Narrowing rounds to nearest, ties to even
  * (as vcvtps2ph with _MM_FROUND_TO_NEAREST_INT, NEON's default rounding and NumPy's

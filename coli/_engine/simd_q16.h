@@ -616,7 +616,7 @@ static inline __m128 coli_q16x_rows(__m256 v) {
 /* MR tokens (arranged activations xe, lde bytes apart) x 4 rows (nr of them real). CH
  * int32 chains per token (two with few tokens, so the multiply-adds' latency overlaps). */
 #define COLI_Q16XTILE(MR)                                                                          \
-    static inline void coli_q16xtile_##MR(const uint8_t *xe, long lde, const int8_t *wq, const uint16_t *wd, \
+    COLI_SCHED static inline void coli_q16xtile_##MR(const uint8_t *xe, long lde, const int8_t *wq, const uint16_t *wd, \
                                          long ldw, long ldd, int nr, int nb, float *Y, long ldy) { \
         enum { CH = MR <= 2 ? 2 : 1 };                                                             \
         const int8_t *r[4];                                                                        \
@@ -671,7 +671,7 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
 /* MR tokens x the nr (<= 4) rows of one repacked tile (coli_q8x_pack): the tile above with its
  * step's registers and scales loaded as they lie. */
 #define COLI_Q16XTILE_PK(MR)                                                                       \
-    static inline void coli_q16xtile_pk##MR(const uint8_t *xe, long lde, const uint8_t *pk, int nr, int nb, \
+    COLI_SCHED static inline void coli_q16xtile_pk##MR(const uint8_t *xe, long lde, const uint8_t *pk, int nr, int nb, \
                                             float *Y, long ldy) {                                  \
         coli_q16f acc[MR];                                                                         \
         for (int i = 0; i < MR; i++) acc[i] = COLI_Q16_FZERO();                                    \

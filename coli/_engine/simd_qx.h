@@ -590,34 +590,68 @@ static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
 }
-/* The arithmetic of half h of a step at group b for MR tokens, once its 8 weight registers
- * w (unsigned nibbles, rows in dwords), scales ws and mins wmn (lane 4L + j: row j, group
- * b + 2h + L) are loaded: the same operations whichever layout they came from. */
-#define COLI_Q4XHALF256_DOT(MR, ASYM)                                                              \
+/* The arithmetic of half h of a step at group b for MR tokens, once its 4 raw weight
+ * registers RAW[q] (two nibbles a byte, rows in dwords), scales ws and mins wmn (lane 4L + j:
+ * row j, group b + 2h + L) are loaded: the same operations whichever layout they came from.
+ * Raw register q holds weight registers q (its low nibbles) and 4 + q (its high ones).
+ * With AVX-VNNI the 8 weight registers are made first and go through coli_q4x_dot8. Without
+ * it each raw register is unpacked in turn and serves every token at once: its two vpmaddubsw
+ * per token are added into that token's int16 sum, so only the MR sums, the MR accumulators
+ * and one register's nibbles are live. That keeps a 4-token tile in 16 registers where 8
+ * weight registers for all tokens did not (GCC spilled the accumulators, and 4 tokens cost 3.3x
+ * one). The int16 sums are exact in any order (the bound above), so a token's integers, and
+ * with the same float operations its bits, are those of coli_q4x_dot8. */
+#if defined(__AVXVNNI__)
+#define COLI_Q4XHALF256_DOT(MR, ASYM, RAW)                                                         \
+        __m256i w[8];                                                                              \
+        for (int q = 0; q < 4; q++) {                                                              \
+            w[q] = _mm256_and_si256(RAW[q], m4);                                                   \
+            w[4 + q] = _mm256_and_si256(_mm256_srli_epi16(RAW[q], 4), m4);                         \
+        }                                                                                          \
         for (int i = 0; i < MR; i++) {                                                             \
             const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
-            __m256i d = coli_q4x_dot8(w, o);                                                       \
+            COLI_Q4XHALF256_END(coli_q4x_dot8(w, o), ASYM)                                         \
+        }
+#else
+#define COLI_Q4XHALF256_DOT(MR, ASYM, RAW)                                                         \
+        __m256i s_[MR];                                                                            \
+        for (int q = 0; q < 4; q++) {                                                              \
+            const __m256i lo_ = _mm256_and_si256(RAW[q], m4);                                      \
+            const __m256i hi_ = _mm256_and_si256(_mm256_srli_epi16(RAW[q], 4), m4);                \
+            for (int i = 0; i < MR; i++) {                                                         \
+                const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h + 64 * q; \
+                __m256i x_ = _mm256_add_epi16(                                                     \
+                    _mm256_maddubs_epi16(lo_, _mm256_load_si256((const __m256i *)(const void *)o)), \
+                    _mm256_maddubs_epi16(hi_, _mm256_load_si256((const __m256i *)(const void *)(o + 256)))); \
+                s_[i] = q == 0 ? x_ : _mm256_add_epi16(s_[i], x_);                                 \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MR; i++) {                                                             \
+            const int8_t *o = a->xe + i * a->lde + (b / 4) * (COLI_XE_Q4 * 64) + 32 * h;            \
+            COLI_Q4XHALF256_END(_mm256_madd_epi16(s_[i], _mm256_set1_epi16(1)), ASYM)              \
+        }
+#endif
+/* token i's whole (row, group) dot products DOT (int32 lanes) into its accumulator; o is its
+ * arranged activations at this half step */
+#define COLI_Q4XHALF256_END(DOT, ASYM)                                                             \
+            __m256i d = (DOT);                                                                     \
             if (!ASYM) d = _mm256_sub_epi32(d, _mm256_load_si256((const __m256i *)(const void *)(o + 9 * 64))); \
             __m256 sc = _mm256_mul_ps(ws, _mm256_load_ps((const float *)(const void *)(o + 8 * 64))); \
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[i]);                           \
-            if (ASYM) acc[i] = _mm256_fmadd_ps(wmn, _mm256_load_ps((const float *)(const void *)(o + 10 * 64)), acc[i]); \
-        }
+            if (ASYM) acc[i] = _mm256_fmadd_ps(wmn, _mm256_load_ps((const float *)(const void *)(o + 10 * 64)), acc[i]);
 
 /* Half h of a packed step of gs groups (its groups 2h, 2h + 1, n2 of them real: 1 or 2) for MR tokens. */
 #define COLI_Q4XHALF256(MR, ASYM, MASKED, gs, n2)                                                      \
     {                                                                                              \
-        __m256i w[8];                                                                              \
-        for (int q = 0; q < 4; q++) {                                                              \
-            __m256i T = (MASKED) ? coli_q4x_load_part(p + 16 * gs * q + 32 * h, 16 * (n2))         \
-                                 : _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * q + 32 * h)); \
-            w[q] = _mm256_and_si256(T, m4);                                                        \
-            w[4 + q] = _mm256_and_si256(_mm256_srli_epi16(T, 4), m4);                              \
-        }                                                                                          \
+        __m256i raw[4];                                                                            \
+        for (int q = 0; q < 4; q++)                                                                \
+            raw[q] = (MASKED) ? coli_q4x_load_part(p + 16 * gs * q + 32 * h, 16 * (n2))            \
+                              : _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * q + 32 * h)); \
         __m256 ws = _mm256_cvtph_ps((MASKED) ? coli_q4x_load_half(p + 64 * gs + 16 * h, 8 * (n2))  \
                                              : _mm_loadu_si128((const __m128i *)(const void *)(p + 256 + 16 * h))); \
         __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps((MASKED) ? coli_q4x_load_half(p + 72 * gs + 16 * h, 8 * (n2)) \
                                                              : _mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h))); \
-        COLI_Q4XHALF256_DOT(MR, ASYM)                                                              \
+        COLI_Q4XHALF256_DOT(MR, ASYM, raw)                                                         \
     }
 
 /* n bytes (n <= 32, a multiple of 16) at p into a register, zeros after */
@@ -673,7 +707,7 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
 }
 /* MR tokens x the nr (<= 4) rows of one packed tile (AVX2). */
 #define COLI_Q4XTILE256_PK(NAME, MR, ASYM)                                                         \
-    static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
+    COLI_SCHED static inline void NAME##_pk##MR(const coli_act *a, const uint8_t *pk, int nb, float *Y, long ldy, int nr) { \
         __m256 acc[MR];                                                                            \
         for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();                                 \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                                 \
@@ -714,17 +748,12 @@ COLI_PKTILES256(coli_q4atile, 1)
  * COLI_Q4XHALF256_DOT: a token gets the very bits of the same rows packed (MoE experts, whose
  * streamed layers are read as rows into cache slots while resident ones are packed). Rows
  * past nr repeat row 0 (their lanes are never stored). */
-/* one half step's weight registers w from the rows' registers R (the packing's transpose) */
+/* one half step's raw weight registers A from the rows' registers R (the packing's transpose) */
 #define COLI_Q4XRX_W()                                                                             \
                 __m256i t0 = _mm256_unpacklo_epi32(R[0], R[1]), t1 = _mm256_unpackhi_epi32(R[0], R[1]); \
                 __m256i t2 = _mm256_unpacklo_epi32(R[2], R[3]), t3 = _mm256_unpackhi_epi32(R[2], R[3]); \
                 __m256i A[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),      \
-                                _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};     \
-                __m256i w[8];                                                                      \
-                for (int q = 0; q < 4; q++) {                                                      \
-                    w[q] = _mm256_and_si256(A[q], m4);                                             \
-                    w[4 + q] = _mm256_and_si256(_mm256_srli_epi16(A[q], 4), m4);                   \
-                }
+                                _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
 /* 4 rows' f16 of groups b .. b + 3 (rows at p, ld apart) in lane order for half h = 0 / 1 */
 #define COLI_Q4XRX_SCALES(p, ld, H0, H1)                                                          \
             {                                                                                      \
@@ -737,7 +766,7 @@ COLI_PKTILES256(coli_q4atile, 1)
                 H1 = _mm_shuffle_epi8(_mm_unpackhi_epi64(u01, u23), order);                        \
             }
 #define COLI_Q4XTILE256_RX(NAME, MR, ASYM)                                                         \
-    static inline void NAME##_rx##MR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
+    COLI_SCHED static inline void NAME##_rx##MR(const coli_act *a, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, \
                                      long ldw, long ldd, int nb, float *Y, long ldy, int nr) {      \
         __m256 acc[MR];                                                                            \
         for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();                                 \
@@ -763,7 +792,7 @@ COLI_PKTILES256(coli_q4atile, 1)
                 COLI_Q4XRX_W()                                                                     \
                 __m256 ws = _mm256_cvtph_ps(sh[h]);                                                \
                 __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps(mh[h]);                                \
-                COLI_Q4XHALF256_DOT(MR, ASYM)                                                      \
+                COLI_Q4XHALF256_DOT(MR, ASYM, A)                                                   \
             }                                                                                      \
         }                                                                                          \
         if (b < nb) { /* a short last step of gs groups: zeros past them, as in a packed tile */   \
@@ -785,7 +814,7 @@ COLI_PKTILES256(coli_q4atile, 1)
                 COLI_Q4XRX_W()                                                                     \
                 __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)sv));   \
                 __m256 wmn = !(ASYM) ? ws : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)mv)); \
-                COLI_Q4XHALF256_DOT(MR, ASYM)                                                      \
+                COLI_Q4XHALF256_DOT(MR, ASYM, A)                                                   \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
