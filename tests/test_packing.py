@@ -109,6 +109,40 @@ def test_packed_tiles_give_the_bits_of_the_row_tiles(fmt, rows, cols):
             np.testing.assert_array_equal(one[0], yb[-1])  # a token's bits do not depend on its batch
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int4s", "int8"])
+def test_the_stream_prefetch_setting_changes_no_bits(fmt):
+    """set_stream_prefetch (the packed tiles' prefetches: both, into L1 only, none) changes
+    only speed: every setting gives the same bits, for one token and for several, over a
+    matrix of whole and short steps and rows past a multiple of 4; out-of-range settings
+    clamp to the nearest."""
+    if not quantize(np.ones((4, 32), np.float32), fmt).packed_bytes:
+        pytest.skip(f"the {K.simd_name()} path keeps {fmt} matrices in rows")
+    rng = np.random.default_rng(11)
+    _, b = _pair(rng, 130, 1000, fmt)
+    before = K.get_stream_prefetch()
+    assert before == 2
+    try:
+        for M in (1, 4, 9):
+            x = rng.standard_normal((M, 1000)).astype(np.float32)
+            outs = []
+            for mode in (2, 1, 0):
+                K.set_stream_prefetch(mode)
+                assert K.get_stream_prefetch() == mode
+                y = np.empty((M, 130), np.float32)
+                K.qlinear(x, b, y, None, *_scratch(M, 1000))
+                outs.append(y)
+            for mode, y in zip((1, 0), outs[1:]):
+                np.testing.assert_array_equal(y, outs[0], err_msg=f"{M} tokens, setting {mode}")
+            ref = reference_qlinear(x, b)
+            np.testing.assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        K.set_stream_prefetch(7)
+        assert K.get_stream_prefetch() == 2
+        K.set_stream_prefetch(-1)
+        assert K.get_stream_prefetch() == 0
+    finally:
+        K.set_stream_prefetch(before)
+
+
 @needs_tiles8
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_a_packed_int8_matrix_reads_back_and_gives_the_bits_of_the_rows(rows, cols):

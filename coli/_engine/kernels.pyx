@@ -64,6 +64,7 @@ cdef extern from "simd.h" nogil:
                           float *o, long ldo, float *tmp, float *wide)
     long COLI_ATT_WIDE(int hd, int vd)
     int coli_att_prefetch
+    int coli_stream_prefetch
     void coli_attend_prefetch(const void *Kg, long ks, const void *Vg, long vs, int j0, int j1, int hd, int vd,
                               int half)
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
@@ -757,6 +758,18 @@ def set_att_prefetch(int chunks):
 
 def get_att_prefetch():
     return coli_att_prefetch
+
+
+def set_stream_prefetch(int mode):
+    """Which prefetches the packed int4 / int8 tiles issue while they stream a matrix (simd_qx.h,
+    COLI_STREAM_PREFETCH5): 2 (default) lines 4 KB ahead into L2 and 1 KB ahead into L1, 1 only
+    the L1 ones, 0 none. For measurements: results do not depend on it."""
+    global coli_stream_prefetch
+    coli_stream_prefetch = min(max(mode, 0), 2)
+
+
+def get_stream_prefetch():
+    return coli_stream_prefetch
 
 
 cdef int _att_wide_mode = 2

@@ -38,12 +38,16 @@ static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 :
  * L2"). The AVX2 tiles and the packed int8 tiles use the same distances. */
 #define COLI_Q4X_AHEAD 4096
 #define COLI_Q4X_NEAR 1024
+/* Which of those prefetches the packed tiles issue (kernels.set_stream_prefetch): 2 both, 1
+ * only the one into L1, 0 none. Prefetches change no arithmetic. */
+static int coli_stream_prefetch = 2;
 /* a packed tile's step: its 5 lines COLI_Q4X_AHEAD bytes ahead into L2, COLI_Q4X_NEAR into L1 */
 #define COLI_STREAM_PREFETCH5(p, far)                                                              \
-    for (int q_ = 0; q_ < 5; q_++) {                                                               \
-        _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1);                         \
-        _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);                 \
-    }
+    if (coli_stream_prefetch > 0)                                                                  \
+        for (int q_ = 0; q_ < 5; q_++) {                                                           \
+            if (coli_stream_prefetch > 1) _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1); \
+            _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);             \
+        }
 
 /* Bytes of one 4-row tile of a K-column matrix. */
 static inline long coli_q4x_tile_bytes(int fmt, int K) { return (K + QK - 1) / QK * coli_q4x_group_bytes(fmt); }
