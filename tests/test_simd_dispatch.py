@@ -64,6 +64,39 @@ def test_cli_refuses_a_bad_path_in_one_line():
     assert "Traceback" not in r.stderr
 
 
+def test_the_stream_prefetch_default_follows_the_vendor_and_the_variable(monkeypatch):
+    """The packed tiles' stream prefetches: none on AMD, both elsewhere, COLI_STREAM_PREFETCH
+    over either; every imported path starts with this CPU's setting; a bad value is refused,
+    and by the CLI in one line."""
+    monkeypatch.delenv("COLI_STREAM_PREFETCH", raising=False)
+    assert dispatch.stream_prefetch("AuthenticAMD") == 0
+    assert dispatch.stream_prefetch("GenuineIntel") == 2
+    assert dispatch.stream_prefetch("") == 2  # ARM and others (their tiles have no such prefetch)
+    for value in ("0", "1", "2"):
+        monkeypatch.setenv("COLI_STREAM_PREFETCH", value)
+        assert dispatch.stream_prefetch("AuthenticAMD") == dispatch.stream_prefetch("GenuineIntel") == int(value)
+    for bad in ("3", "on", "-1"):
+        monkeypatch.setenv("COLI_STREAM_PREFETCH", bad)
+        with pytest.raises(dispatch.SimdUnavailableError, match="COLI_STREAM_PREFETCH=.*choose 0"):
+            dispatch.stream_prefetch("GenuineIntel")
+    for value, want in ((None, None), ("1", 1)):  # None: unset, this CPU's vendor decides
+        env = _env()
+        env.pop("COLI_STREAM_PREFETCH", None)
+        if value is not None:
+            env["COLI_STREAM_PREFETCH"] = value
+        r = subprocess.run([sys.executable, "-c", "from coli._engine import kernels as K, _cpu; "
+                            "print(K.get_stream_prefetch(), _cpu.vendor())"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        got, _, vendor = r.stdout.strip().partition(" ")
+        assert int(got) == (want if want is not None else 0 if vendor == "AuthenticAMD" else 2)
+    r = subprocess.run([sys.executable, "-m", "coli.cli", "bench", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=_env(COLI_STREAM_PREFETCH="7"))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "COLI_STREAM_PREFETCH='7'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("path", dispatch.PATHS)
 def test_every_path_passes_the_kernel_parity_tests(path):
     """The same installed build, forced onto each path: loads, reports the path, and passes

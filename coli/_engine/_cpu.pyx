@@ -7,6 +7,7 @@ imported before any kernel module (see kernels.py)."""
 
 cdef extern from *:
     """
+    #include <string.h>
     #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
     #if defined(_MSC_VER)
     #include <intrin.h>
@@ -66,14 +67,25 @@ cdef extern from *:
         }
         return f;
     }
+    /* The vendor string of CPUID leaf 0 ("GenuineIntel", "AuthenticAMD", ...) into out[13]. */
+    static void coli_cpu_vendor(char *out) {
+        unsigned r[4];
+        coli_cpuid(0, 0, r);
+        memcpy(out, &r[1], 4);
+        memcpy(out + 4, &r[3], 4);
+        memcpy(out + 8, &r[2], 4);
+        out[12] = 0;
+    }
     #else
     #define COLI_X86 0
+    static void coli_cpu_vendor(char *out) { out[0] = 0; }
     #include "cpu_arm.h"
     /* 64-bit ARM: NEON, sdot, smmla as bits 12-14 (0 elsewhere) */
     static unsigned coli_cpu_features(void) { return coli_arm_features() << 12; }
     #endif
     """
     unsigned coli_cpu_features()
+    void coli_cpu_vendor(char *out)
     int COLI_X86
 
 NAMES = ("avx", "fma", "f16c", "avx2", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl",
@@ -88,3 +100,10 @@ def features():
 
 def is_x86():
     return bool(COLI_X86)
+
+
+def vendor():
+    """CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...); empty off x86."""
+    cdef char out[13]
+    coli_cpu_vendor(out)
+    return out[:12].decode("ascii", "replace").rstrip("\x00")

@@ -76,7 +76,32 @@ def choose(forced: str | None = None, features: frozenset | None = None) -> str:
     return ok[0]
 
 
+PREFETCH_ENV = "COLI_STREAM_PREFETCH"
+
+
+def stream_prefetch(vendor: str | None = None) -> int:
+    """The packed tiles' stream prefetches for this CPU (kernels.set_stream_prefetch):
+    COLI_STREAM_PREFETCH when set (0 none, 1 into L1 only, 2 into L2 and L1), else none on
+    AMD and both elsewhere. On a Zen 4 the prefetches slowed one-token decode by 2-7% at 2
+    threads and 13-38% at 1 (BENCHMARKS.md, the thirty-seventh session); on Intel Xeons the
+    L2 ones made it 5-10% faster (the twenty-sixth)."""
+    raw = os.environ.get(PREFETCH_ENV)
+    if raw is not None and raw.strip():
+        if raw.strip() not in ("0", "1", "2"):
+            raise SimdUnavailableError(f"{PREFETCH_ENV}={raw!r}: choose 0 (no prefetch), 1 (into L1 only) "
+                                       "or 2 (into L2 and L1)")
+        return int(raw)
+    if vendor is None:
+        from coli._engine import _cpu
+
+        vendor = _cpu.vendor()
+    return 0 if vendor == "AuthenticAMD" else 2
+
+
 def load(forced: str | None = None):
-    """The kernel module of the chosen path (COLI_SIMD's when ``forced`` is None)."""
+    """The kernel module of the chosen path (COLI_SIMD's when ``forced`` is None), with this
+    CPU's stream prefetches set (``stream_prefetch``)."""
     path = choose(os.environ.get(ENV) if forced is None else forced)
-    return importlib.import_module(f"coli._engine._kernels_{path}")
+    module = importlib.import_module(f"coli._engine._kernels_{path}")
+    module.set_stream_prefetch(stream_prefetch())
+    return module

@@ -12,3 +12,13 @@ if _os.environ.get("COLI_SIMD"):
     except _dispatch.SimdUnavailableError as _e:
         print(f"error: {_e}", file=_sys.stderr)
         raise SystemExit(2) from None
+
+if _os.environ.get("COLI_STREAM_PREFETCH"):
+    # the same for a stream-prefetch setting that is not one (dispatch.stream_prefetch)
+    from coli._engine import dispatch as _dispatch
+
+    try:
+        _dispatch.stream_prefetch(vendor="")
+    except _dispatch.SimdUnavailableError as _e:
+        print(f"error: {_e}", file=_sys.stderr)
+        raise SystemExit(2) from None
