@@ -761,9 +761,11 @@ def get_att_prefetch():
 
 
 def set_stream_prefetch(int mode):
-    """Which prefetches the packed int4 / int8 tiles issue while they stream a matrix (simd_qx.h,
-    COLI_STREAM_PREFETCH5): 2 (default) lines 4 KB ahead into L2 and 1 KB ahead into L1, 1 only
-    the L1 ones, 0 none. For measurements: results do not depend on it."""
+    """Which prefetches a packed int4 tile (and AVX2's packed int8 tile) of one token issues
+    while it streams a matrix (simd_qx.h, COLI_STREAM_PREFETCH5): 2 lines 4 KB ahead into L2
+    and 1 KB ahead into L1, 1 only the L1 ones, 0 none; tiles of several tokens always issue
+    both. The default is the CPU's (dispatch.stream_prefetch). For measurements: results do
+    not depend on it."""
     global coli_stream_prefetch
     coli_stream_prefetch = min(max(mode, 0), 2)
 

@@ -38,14 +38,17 @@ static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 :
  * L2"). The AVX2 tiles and the packed int8 tiles use the same distances. */
 #define COLI_Q4X_AHEAD 4096
 #define COLI_Q4X_NEAR 1024
-/* Which of those prefetches the packed tiles issue (kernels.set_stream_prefetch): 2 both, 1
- * only the one into L1, 0 none. Prefetches change no arithmetic. */
+/* Which of those prefetches a one-token packed tile issues (kernels.set_stream_prefetch): 2
+ * both, 1 only the one into L1, 0 none. Tiles of several tokens issue both whatever it says:
+ * without them a 4-stream SmolLM2-135M step took 1.24x (AVX-512 VNNI) and 1.31x (AVX2) as long
+ * on a Zen 4 (BENCHMARKS.md, the thirty-seventh session). Prefetches change no arithmetic. */
 static int coli_stream_prefetch = 2;
-/* a packed tile's step: its 5 lines COLI_Q4X_AHEAD bytes ahead into L2, COLI_Q4X_NEAR into L1 */
-#define COLI_STREAM_PREFETCH5(p, far)                                                              \
-    if (coli_stream_prefetch > 0)                                                                  \
+/* a packed tile's step (MR tokens): its 5 lines COLI_Q4X_AHEAD bytes ahead into L2,
+ * COLI_Q4X_NEAR into L1 */
+#define COLI_STREAM_PREFETCH5(p, far, MR)                                                          \
+    if (coli_stream_prefetch > 0 || (MR) > 1)                                                      \
         for (int q_ = 0; q_ < 5; q_++) {                                                           \
-            if (coli_stream_prefetch > 1) _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1); \
+            if (coli_stream_prefetch > 1 || (MR) > 1) _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1); \
             _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);             \
         }
 
@@ -464,7 +467,7 @@ static inline __attribute__((always_inline)) __m512i coli_q4x_dot8_512(const __m
     {                                                                                              \
         __m512i w[8];                                                                              \
         if (!(MASKED)) /* a step's 5 lines ahead (COLI_STREAM_PREFETCH5) */                       \
-            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD)                                               \
+            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD, MR)                                             \
         for (int q = 0; q < 4; q++) {                                                              \
             __m512i T = (MASKED) ? _mm512_maskz_loadu_epi8((n) >= 4 ? ~0ull : (1ull << (16 * (n))) - 1, (const void *)(p + 16 * (n) * q)) \
                                  : _mm512_loadu_si512((const void *)(p + 64 * q));                 \
@@ -718,7 +721,7 @@ static inline void coli_q4x_rows4(const uint8_t *tile, int fmt, int nb, int c0, 
         const uint8_t *p = pk;                                                                     \
         int b = 0;                                                                                 \
         for (; b + 4 <= nb; b += 4, p += 4 * (ASYM ? 80 : 72)) {                                   \
-            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD)                                               \
+            COLI_STREAM_PREFETCH5(p, COLI_Q4X_AHEAD, MR)                                             \
             for (int h = 0; h < 2; h++) COLI_Q4XHALF256(MR, ASYM, 0, 4, 2)                         \
         }                                                                                          \
         if (b < nb) { /* a short last step of gs groups: its halves' registers zero past them */    \
