@@ -604,10 +604,12 @@ static inline __m256i coli_q4x_dot8(const __m256i *w, const int8_t *o) {
  * With AVX-VNNI the 8 weight registers are made first and go through coli_q4x_dot8. Without
  * it each raw register is unpacked in turn and serves every token at once: its two vpmaddubsw
  * per token are added into that token's int16 sum, so only the MR sums, the MR accumulators
- * and one register's nibbles are live. That keeps a 4-token tile in 16 registers where 8
- * weight registers for all tokens did not (GCC spilled the accumulators, and 4 tokens cost 3.3x
- * one). The int16 sums are exact in any order (the bound above), so a token's integers, and
- * with the same float operations its bits, are those of coli_q4x_dot8. */
+ * and one register's nibbles are live. With the tiles scheduled for register pressure
+ * (COLI_SCHED, simd.h) that keeps a 4-token tile in 16 registers, where 8 weight registers
+ * for all tokens did not: GCC spilled the accumulators, and a 4-token call cost 2.5x one
+ * token, now 2.1x (BENCHMARKS.md, the thirty-seventh session). The int16 sums are exact in
+ * any order (the bound above), so a token's integers, and with the same float operations its
+ * bits, are those of coli_q4x_dot8. */
 #if defined(__AVXVNNI__)
 #define COLI_Q4XHALF256_DOT(MR, ASYM, RAW)                                                         \
         __m256i w[8];                                                                              \
