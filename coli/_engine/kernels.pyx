@@ -65,6 +65,7 @@ cdef extern from "simd.h" nogil:
     long COLI_ATT_WIDE(int hd, int vd)
     int coli_att_prefetch
     int coli_stream_prefetch
+    void coli_set_stream_prefetch(int mode)
     void coli_attend_prefetch(const void *Kg, long ks, const void *Vg, long vs, int j0, int j1, int hd, int vd,
                               int half)
     void coli_kv_put(void *cache, long pos, const float *x, int w, int half)
@@ -766,8 +767,7 @@ def set_stream_prefetch(int mode):
     and 1 KB ahead into L1, 1 only the L1 ones, 0 none; tiles of several tokens always issue
     both. The default is the CPU's (dispatch.stream_prefetch). For measurements: results do
     not depend on it."""
-    global coli_stream_prefetch
-    coli_stream_prefetch = min(max(mode, 0), 2)
+    coli_set_stream_prefetch(mode)
 
 
 def get_stream_prefetch():

@@ -43,6 +43,7 @@ static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 :
  * without them a 4-stream SmolLM2-135M step took 1.24x (AVX-512 VNNI) and 1.31x (AVX2) as long
  * on a Zen 4 (BENCHMARKS.md, the thirty-seventh session). Prefetches change no arithmetic. */
 static int coli_stream_prefetch = 2;
+static inline void coli_set_stream_prefetch(int mode) { coli_stream_prefetch = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
 /* a packed tile's step (MR tokens): its 5 lines COLI_Q4X_AHEAD bytes ahead into L2,
  * COLI_Q4X_NEAR into L1 */
 #define COLI_STREAM_PREFETCH5(p, far, MR)                                                          \
