@@ -762,10 +762,10 @@ def get_att_prefetch():
 
 
 def set_stream_prefetch(int mode):
-    """Which prefetches a packed int4 tile (and AVX2's packed int8 tile) of one token issues
-    while it streams a matrix (simd_qx.h, COLI_STREAM_PREFETCH5): 2 lines 4 KB ahead into L2
-    and 1 KB ahead into L1, 1 only the L1 ones, 0 none; tiles of several tokens always issue
-    both. The default is the CPU's (dispatch.stream_prefetch). For measurements: results do
+    """Which prefetches a packed int4 tile of one token issues while it streams a matrix
+    (simd_qx.h, COLI_STREAM_PREFETCH5): 2 lines 4 KB ahead into L2 and 1 KB ahead into L1, 1
+    only the L1 ones, 0 none; tiles of several tokens, and AVX2's packed int8 tiles, always
+    issue both. The default is the CPU's (dispatch.stream_prefetch). For measurements: results do
     not depend on it."""
     coli_set_stream_prefetch(mode)
 

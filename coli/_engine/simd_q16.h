@@ -678,7 +678,7 @@ static inline void coli_q16xtile(int mr, const uint8_t *xe, long lde, const int8
         const uint8_t *p = pk;                                                                     \
         for (int s = 0; 2 * s < nb; s++, p += COLI_Q8X_STEP) {                                     \
             coli_q16v Q[8];                                                                        \
-            COLI_STREAM_PREFETCH5(p, COLI_Q8X_AHEAD, MR)                                             \
+            COLI_STREAM_PREFETCH5_BOTH(p, COLI_Q8X_AHEAD)                                               \
             for (int q = 0; q < 8; q++) Q[q] = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * q)); \
             coli_q16f ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 256))); \
             const uint8_t *xs = xe + (long)s * (COLI_Q16X_NV * COLI_Q16X_V);                       \

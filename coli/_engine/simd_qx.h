@@ -38,20 +38,29 @@ static inline long coli_q4x_group_bytes(int fmt) { return fmt == COLI_Q4A ? 80 :
  * L2"). The AVX2 tiles and the packed int8 tiles use the same distances. */
 #define COLI_Q4X_AHEAD 4096
 #define COLI_Q4X_NEAR 1024
-/* Which of those prefetches a one-token packed tile issues (kernels.set_stream_prefetch): 2
- * both, 1 only the one into L1, 0 none. Tiles of several tokens issue both whatever it says:
+/* Which of those prefetches a one-token packed int4 tile issues (kernels.set_stream_prefetch):
+ * 2 both, 1 only the one into L1, 0 none. Tiles of several tokens issue both whatever it says:
  * without them a 4-stream SmolLM2-135M step took 1.24x (AVX-512 VNNI) and 1.31x (AVX2) as long
- * on a Zen 4 (BENCHMARKS.md, the thirty-seventh session). Prefetches change no arithmetic. */
+ * on a Zen 4; so does AVX2's packed int8 tile, whose one-token decode was 1.05-1.18x slower
+ * without them there (BENCHMARKS.md, the thirty-seventh session). Prefetches change no
+ * arithmetic. */
 static int coli_stream_prefetch = 2;
 static inline void coli_set_stream_prefetch(int mode) { coli_stream_prefetch = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
-/* a packed tile's step (MR tokens): its 5 lines COLI_Q4X_AHEAD bytes ahead into L2,
- * COLI_Q4X_NEAR into L1 */
+/* a packed tile's step: its 5 lines COLI_Q4X_AHEAD bytes ahead into L2, COLI_Q4X_NEAR into L1 */
+#define COLI_STREAM_PREFETCH5_BOTH(p, far)                                                         \
+    for (int q_ = 0; q_ < 5; q_++) {                                                               \
+        _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1);                         \
+        _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);                 \
+    }
+/* the same for a packed int4 tile of MR tokens, as coli_stream_prefetch says */
 #define COLI_STREAM_PREFETCH5(p, far, MR)                                                          \
-    if (coli_stream_prefetch > 0 || (MR) > 1)                                                      \
-        for (int q_ = 0; q_ < 5; q_++) {                                                           \
-            if (coli_stream_prefetch > 1 || (MR) > 1) _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1); \
-            _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);             \
-        }
+    {                                                                                              \
+        if (coli_stream_prefetch > 1 || (MR) > 1) {                                                \
+            COLI_STREAM_PREFETCH5_BOTH(p, far)                                                     \
+        } else if (coli_stream_prefetch == 1) {                                                    \
+            for (int q_ = 0; q_ < 5; q_++) _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0); \
+        }                                                                                          \
+    }
 
 /* Bytes of one 4-row tile of a K-column matrix. */
 static inline long coli_q4x_tile_bytes(int fmt, int K) { return (K + QK - 1) / QK * coli_q4x_group_bytes(fmt); }
