@@ -80,11 +80,12 @@ PREFETCH_ENV = "COLI_STREAM_PREFETCH"
 
 
 def stream_prefetch(vendor: str | None = None) -> int:
-    """The packed tiles' stream prefetches for this CPU (kernels.set_stream_prefetch):
-    COLI_STREAM_PREFETCH when set (0 none, 1 into L1 only, 2 into L2 and L1), else none on
-    AMD and both elsewhere. On a Zen 4 the prefetches slowed one-token decode by 2-7% at 2
-    threads and 13-38% at 1 (BENCHMARKS.md, the thirty-seventh session); on Intel Xeons the
-    L2 ones made it 5-10% faster (the twenty-sixth)."""
+    """The one-token packed int4 tiles' stream prefetches for this CPU
+    (kernels.set_stream_prefetch): COLI_STREAM_PREFETCH when set (0 none, 1 into L1 only, 2
+    into L2 and L1), else none on AMD and both elsewhere. On a Zen 4 a one-stream decode step
+    took 1.06-1.26x as long with them at 2 threads and 1.13-1.38x at 1 (BENCHMARKS.md, the
+    thirty-seventh session); on Intel Xeons the L2 ones made decode 5-10% faster (the
+    twenty-sixth)."""
     raw = os.environ.get(PREFETCH_ENV)
     if raw is not None and raw.strip():
         if raw.strip() not in ("0", "1", "2"):
