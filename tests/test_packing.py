@@ -111,10 +111,10 @@ def test_packed_tiles_give_the_bits_of_the_row_tiles(fmt, rows, cols):
 
 @pytest.mark.parametrize("fmt", ["int4", "int4s", "int8"])
 def test_the_stream_prefetch_setting_changes_no_bits(fmt):
-    """set_stream_prefetch (the packed tiles' prefetches: both, into L1 only, none) changes
-    only speed: every setting gives the same bits, for one token and for several, over a
-    matrix of whole and short steps and rows past a multiple of 4; out-of-range settings
-    clamp to the nearest."""
+    """set_stream_prefetch (a one-token packed int4 tile's prefetches: both, into L1 only,
+    none; int8 tiles keep theirs) changes only speed: every setting gives the same bits, for
+    one token and for several, over a matrix of whole and short steps and rows past a multiple
+    of 4; out-of-range settings clamp to the nearest."""
     if not quantize(np.ones((4, 32), np.float32), fmt).packed_bytes:
         pytest.skip(f"the {K.simd_name()} path keeps {fmt} matrices in rows")
     rng = np.random.default_rng(11)

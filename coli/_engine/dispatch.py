@@ -86,8 +86,8 @@ def stream_prefetch(vendor: str | None = None) -> int:
     took 1.06-1.26x as long with them at 2 threads and 1.13-1.38x at 1 (BENCHMARKS.md, the
     thirty-seventh session); on Intel Xeons the L2 ones made decode 5-10% faster (the
     twenty-sixth)."""
-    raw = os.environ.get(PREFETCH_ENV)
-    if raw is not None and raw.strip():
+    raw = os.environ.get(PREFETCH_ENV, "")
+    if raw.strip():
         if raw.strip() not in ("0", "1", "2"):
             raise SimdUnavailableError(f"{PREFETCH_ENV}={raw!r}: choose 0 (no prefetch), 1 (into L1 only) "
                                        "or 2 (into L2 and L1)")

@@ -55,10 +55,10 @@ static inline void coli_set_stream_prefetch(int mode) { coli_stream_prefetch = m
 /* the same for a packed int4 tile of MR tokens, as coli_stream_prefetch says */
 #define COLI_STREAM_PREFETCH5(p, far, MR)                                                          \
     {                                                                                              \
-        if (coli_stream_prefetch > 1 || (MR) > 1) {                                                \
-            COLI_STREAM_PREFETCH5_BOTH(p, far)                                                     \
-        } else if (coli_stream_prefetch == 1) {                                                    \
-            for (int q_ = 0; q_ < 5; q_++) _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0); \
+        const int pf_ = (MR) > 1 ? 2 : coli_stream_prefetch;                                       \
+        for (int q_ = 0; q_ < 5 && pf_ > 0; q_++) {                                                \
+            if (pf_ > 1) _mm_prefetch((const char *)((p) + (far) + 64 * q_), _MM_HINT_T1);         \
+            _mm_prefetch((const char *)((p) + COLI_Q4X_NEAR + 64 * q_), _MM_HINT_T0);             \
         }                                                                                          \
     }
 

@@ -2,22 +2,15 @@
 import os as _os
 import sys as _sys
 
-if _os.environ.get("COLI_SIMD"):
-    # A forced SIMD path this CPU or build lacks is a usage error: one line, exit 2 (the
-    # command modules import the kernels, so this must be checked before they load).
+if _os.environ.get("COLI_SIMD") or _os.environ.get("COLI_STREAM_PREFETCH"):
+    # A forced SIMD path this CPU or build lacks, or a stream-prefetch setting that is not one,
+    # is a usage error: one line, exit 2 (the command modules import the kernels, so this must
+    # be checked before they load).
     from coli._engine import dispatch as _dispatch
 
     try:
-        _dispatch.choose(_os.environ["COLI_SIMD"])
-    except _dispatch.SimdUnavailableError as _e:
-        print(f"error: {_e}", file=_sys.stderr)
-        raise SystemExit(2) from None
-
-if _os.environ.get("COLI_STREAM_PREFETCH"):
-    # the same for a stream-prefetch setting that is not one (dispatch.stream_prefetch)
-    from coli._engine import dispatch as _dispatch
-
-    try:
+        if _os.environ.get("COLI_SIMD"):
+            _dispatch.choose(_os.environ["COLI_SIMD"])
         _dispatch.stream_prefetch(vendor="")
     except _dispatch.SimdUnavailableError as _e:
         print(f"error: {_e}", file=_sys.stderr)
